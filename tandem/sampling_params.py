@@ -1,0 +1,107 @@
+"""Per-request sampling parameters, validated once at construction.
+
+Torch-free so the router can validate a request before it reaches any worker. The
+field names and defaults follow vLLM's ``SamplingParams`` where they overlap, so code
+written against vLLM's offline API reads the same here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+MAX_LOGPROBS = 20
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to pick each next token and when to stop.
+
+    ``temperature == 0`` means greedy. ``top_k=None`` and ``top_p=1.0`` disable those
+    filters. ``seed`` makes a request's random draws reproducible whatever else shares
+    its batch. ``logprobs=n`` returns the top-n log-probabilities (of the raw model
+    distribution) plus the chosen token's at every step.
+    """
+
+    max_tokens: int = 16
+    min_tokens: int = 0
+    temperature: float = 1.0
+    top_k: int | None = None
+    top_p: float = 1.0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    seed: int | None = None
+    stop: tuple[str, ...] = field(default_factory=tuple)
+    stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
+    ignore_eos: bool = False
+    include_stop_str_in_output: bool = False
+    logprobs: int | None = None
+    skip_special_tokens: bool = True
+
+    def __post_init__(self) -> None:
+        # Accept lists (and a bare string for `stop`) from callers; store tuples.
+        if isinstance(self.stop, str):
+            object.__setattr__(self, "stop", (self.stop,))
+        object.__setattr__(self, "stop", tuple(self.stop))
+        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        self._validate()
+
+    def _validate(self) -> None:
+        _check(self.max_tokens >= 1, "max_tokens", f"must be >= 1, got {self.max_tokens}")
+        _check(
+            0 <= self.min_tokens <= self.max_tokens,
+            "min_tokens",
+            f"must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens}",
+        )
+        _check(self.temperature >= 0, "temperature", f"must be >= 0, got {self.temperature}")
+        _check(
+            self.top_k is None or self.top_k >= 1,
+            "top_k",
+            f"must be >= 1 (or None to disable), got {self.top_k}",
+        )
+        _check(0 < self.top_p <= 1, "top_p", f"must be in (0, 1], got {self.top_p}")
+        _check(0 <= self.min_p <= 1, "min_p", f"must be in [0, 1], got {self.min_p}")
+        _check(
+            self.repetition_penalty > 0,
+            "repetition_penalty",
+            f"must be > 0, got {self.repetition_penalty}",
+        )
+        _check(
+            -2 <= self.presence_penalty <= 2,
+            "presence_penalty",
+            f"must be in [-2, 2], got {self.presence_penalty}",
+        )
+        _check(
+            -2 <= self.frequency_penalty <= 2,
+            "frequency_penalty",
+            f"must be in [-2, 2], got {self.frequency_penalty}",
+        )
+        _check(
+            self.logprobs is None or 0 <= self.logprobs <= MAX_LOGPROBS,
+            "logprobs",
+            f"must be in [0, {MAX_LOGPROBS}], got {self.logprobs}",
+        )
+        _check(all(s for s in self.stop), "stop", "stop strings must be non-empty")
+        _check(
+            all(t >= 0 for t in self.stop_token_ids),
+            "stop_token_ids",
+            f"must be non-negative token ids, got {list(self.stop_token_ids)}",
+        )
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    @property
+    def uses_penalties(self) -> bool:
+        return (
+            self.repetition_penalty != 1.0
+            or self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+        )
+
+
+def _check(ok: bool, name: str, message: str) -> None:
+    if not ok:
+        raise ValueError(f"{name} {message}")
