@@ -1,0 +1,1 @@
+"""Attention over the paged KV cache, behind one small interface (see ``base``)."""

@@ -1,0 +1,87 @@
+"""The attention backend interface, and the choice of backend (made once at start-up).
+
+A backend computes attention for one layer: it stores the layer's new keys and values
+in that layer's paged cache, then lets every query attend to its sequence's keys
+(cached prefix + new tokens) under a causal and, per layer, sliding-window mask.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Protocol
+
+import torch
+
+from engine.attention.metadata import AttentionMetadata
+
+
+class AttentionBackendKind(enum.Enum):
+    TORCH = "torch"
+    """Reference paged attention in plain torch ops: every key read through the block table."""
+    SDPA = "sdpa"
+    """``scaled_dot_product_attention`` per prefill chunk, one padded batch for decodes."""
+    FLASH = "flash"
+    """``flash_attn`` varlen + paged kernels; CUDA only."""
+
+
+class AttentionBackend(Protocol):
+    def plan(self, meta: AttentionMetadata) -> None:
+        """Prepare per-step state shared by all layers; called once per step."""
+        ...
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        sliding_window: int | None,
+    ) -> torch.Tensor:
+        """``q [T, H, D]``, ``k, v [T, KVH, D]``, ``kv_cache [2, num_blocks, block_size, KVH, D]``
+        → ``[T, H, D]``. Writes ``k``/``v`` into ``kv_cache`` at ``meta.slot_mapping``."""
+        ...
+
+
+def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
+    """Store new keys/values at their cache slots."""
+    kv_heads, head_dim = k.shape[1], k.shape[2]
+    kv_cache[0].view(-1, kv_heads, head_dim).index_copy_(0, slots, k)
+    kv_cache[1].view(-1, kv_heads, head_dim).index_copy_(0, slots, v)
+
+
+def flash_attn_available() -> bool:
+    try:
+        import flash_attn  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def select_backend_kind(
+    requested: AttentionBackendKind | None, device: torch.device
+) -> AttentionBackendKind:
+    """``flash`` when it is importable on CUDA, ``sdpa`` otherwise, unless one is requested."""
+    if requested is AttentionBackendKind.FLASH and not (
+        device.type == "cuda" and flash_attn_available()
+    ):
+        raise ValueError("attention_backend 'flash' needs CUDA and the flash-attn package")
+    if requested is not None:
+        return requested
+    if device.type == "cuda" and flash_attn_available():
+        return AttentionBackendKind.FLASH
+    return AttentionBackendKind.SDPA
+
+
+def make_backend(kind: AttentionBackendKind, scale: float, block_size: int) -> AttentionBackend:
+    if kind is AttentionBackendKind.TORCH:
+        from engine.attention.torch_ref import TorchPagedAttention
+
+        return TorchPagedAttention(scale)
+    if kind is AttentionBackendKind.SDPA:
+        from engine.attention.sdpa import SdpaAttention
+
+        return SdpaAttention(scale)
+    from engine.attention.flash import FlashAttention
+
+    return FlashAttention(scale, block_size)

@@ -1,0 +1,107 @@
+"""Attention with ``torch.nn.functional.scaled_dot_product_attention``.
+
+Prefill chunks run one SDPA call each: a chunk with no cached prefix attends to its own
+fresh keys with the built-in causal mask (the fast path); a chunk after a cached prefix
+reads its context through the block table with an explicit mask. All decodes of a step
+run as one padded SDPA batch whose mask is built once per step and window, then reused
+by every layer.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from engine.attention.base import write_kv
+from engine.attention.metadata import AttentionMetadata, gather_kv, visible_keys
+
+
+class SdpaAttention:
+    def __init__(self, scale: float) -> None:
+        self.scale = scale
+        self._decode_masks: dict[int | None, torch.Tensor] = {}
+
+    def plan(self, meta: AttentionMetadata) -> None:
+        self._decode_masks.clear()
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        sliding_window: int | None,
+    ) -> torch.Tensor:
+        write_kv(kv_cache, k, v, meta.slot_mapping)
+        out = torch.empty_like(q)
+        if meta.num_decodes:
+            out[: meta.num_decodes] = self._decode(
+                q[: meta.num_decodes], kv_cache, meta, sliding_window
+            )
+        for seq, q_start, q_end, context_start in meta.prefill_spans():
+            out[q_start:q_end] = self._prefill(
+                q[q_start:q_end], k[q_start:q_end], v[q_start:q_end],
+                kv_cache, meta, seq, context_start, sliding_window,
+            )  # fmt: skip
+        return out
+
+    def _prefill(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        seq: int,
+        context_start: int,
+        sliding_window: int | None,
+    ) -> torch.Tensor:
+        seq_len = meta.seq_lens_list[seq]
+        mask = None
+        if context_start > 0:
+            table = meta.block_table[seq : seq + 1]
+            k = gather_kv(kv_cache[0], table)[0, :seq_len]
+            v = gather_kv(kv_cache[1], table)[0, :seq_len]
+        if context_start > 0 or (sliding_window is not None and seq_len > sliding_window):
+            positions = torch.arange(context_start, seq_len, device=q.device)
+            mask = visible_keys(positions, seq_len, sliding_window)
+        out = F.scaled_dot_product_attention(
+            q.transpose(0, 1),
+            k.transpose(0, 1),
+            v.transpose(0, 1),
+            attn_mask=mask,
+            is_causal=mask is None,
+            scale=self.scale,
+            enable_gqa=True,
+        )
+        return out.transpose(0, 1)
+
+    def _decode(
+        self,
+        q: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        sliding_window: int | None,
+    ) -> torch.Tensor:
+        table = meta.block_table[: meta.num_decodes]
+        keys = gather_kv(kv_cache[0], table).transpose(1, 2)
+        values = gather_kv(kv_cache[1], table).transpose(1, 2)
+        mask = self._decode_mask(meta, keys.shape[2], sliding_window)
+        out = F.scaled_dot_product_attention(
+            q.unsqueeze(2), keys, values, attn_mask=mask, scale=self.scale, enable_gqa=True
+        )
+        return out.squeeze(2)
+
+    def _decode_mask(
+        self, meta: AttentionMetadata, num_keys: int, sliding_window: int | None
+    ) -> torch.Tensor:
+        """``[num_decodes, 1, 1, num_keys]``, built by the first layer of the step that
+        needs it and reused by the others."""
+        mask = self._decode_masks.get(sliding_window)
+        if mask is None:
+            last = meta.seq_lens[: meta.num_decodes] - 1
+            mask = visible_keys(last, num_keys, sliding_window)
+            mask = mask.view(meta.num_decodes, 1, 1, num_keys)
+            self._decode_masks[sliding_window] = mask
+        return mask

@@ -1,0 +1,133 @@
+"""Engine configuration: what the user chose (``EngineConfig``, validated, frozen) and
+what the engine derived from it at start-up (``EngineRuntime``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from engine.attention.base import AttentionBackendKind, select_backend_kind
+from engine.attention.flash import FLASH_BLOCK_SIZE_MULTIPLE
+from tandem.model_config import ModelConfig
+
+DEFAULT_BLOCK_SIZE = 16
+DEFAULT_CPU_KV_CACHE_GB = 4.0
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: str
+    """HuggingFace checkpoint directory (config.json, *.safetensors, tokenizer.json)."""
+    dtype: str = "auto"
+    """``float32``, ``bfloat16``, ``float16``, or ``auto`` (the checkpoint's dtype)."""
+    device: str = "auto"
+    """``cpu``, ``cuda``, ``cuda:N``, or ``auto`` (CUDA when available)."""
+    block_size: int | None = None
+    """Tokens per KV block; ``None``: 16, or 256 with the flash backend (its kernels need it)."""
+    num_kv_blocks: int | None = None
+    """Exact pool size; ``None``: from ``kv_cache_memory_gb`` / GPU free memory."""
+    kv_cache_memory_gb: float | None = None
+    """KV budget; ``None``: 4 GiB on CPU, ``gpu_memory_utilization`` of free memory on GPU."""
+    gpu_memory_utilization: float = 0.9
+    max_num_seqs: int = 128
+    max_num_batched_tokens: int = 2048
+    max_model_len: int | None = None
+    """Longest prompt + output; ``None``: the checkpoint's ``max_position_embeddings``."""
+    enable_prefix_caching: bool = True
+    enable_chunked_prefill: bool = True
+    attention_backend: str | None = None
+    """``torch``, ``sdpa``, ``flash`` or ``None`` (flash on CUDA when importable, else sdpa)."""
+    num_threads: int | None = None
+    """Torch intra-op threads on CPU; ``None`` leaves torch's default."""
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.dtype != "auto" and self.dtype not in _DTYPES:
+            raise ValueError(f"dtype must be one of auto, {', '.join(_DTYPES)}; got {self.dtype!r}")
+        if self.attention_backend is not None:
+            valid = [k.value for k in AttentionBackendKind]
+            if self.attention_backend not in valid:
+                raise ValueError(
+                    f"attention_backend must be one of {valid}, got {self.attention_backend!r}"
+                )
+        for name in ("block_size", "num_kv_blocks", "max_model_len", "num_threads"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ValueError(f"{name} must be >= 1, got {value}")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(
+                f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}"
+            )
+
+
+@dataclass(frozen=True)
+class EngineRuntime:
+    """Values fixed at start-up from the config, the checkpoint and the machine."""
+
+    device: torch.device
+    dtype: torch.dtype
+    backend: AttentionBackendKind
+    block_size: int
+    max_model_len: int
+
+
+def resolve_runtime(config: EngineConfig, model: ModelConfig) -> EngineRuntime:
+    device = _device(config.device)
+    dtype = (
+        _DTYPES.get(model.dtype, torch.float32) if config.dtype == "auto" else _DTYPES[config.dtype]
+    )
+    requested = AttentionBackendKind(config.attention_backend) if config.attention_backend else None
+    backend = select_backend_kind(requested, device)
+    block_size = config.block_size or (
+        FLASH_BLOCK_SIZE_MULTIPLE if backend is AttentionBackendKind.FLASH else DEFAULT_BLOCK_SIZE
+    )
+    max_model_len = config.max_model_len or model.max_position_embeddings
+    if max_model_len > model.max_position_embeddings:
+        raise ValueError(
+            f"max_model_len {max_model_len} exceeds the model's max_position_embeddings "
+            f"({model.max_position_embeddings})"
+        )
+    if config.num_threads is not None and device.type == "cpu":
+        torch.set_num_threads(config.num_threads)
+    return EngineRuntime(device, dtype, backend, block_size, max_model_len)
+
+
+def _device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {name!r} requested but CUDA is not available")
+    return device
+
+
+def num_kv_blocks(config: EngineConfig, runtime: EngineRuntime, bytes_per_block: int) -> int:
+    """How many blocks the KV pool gets. Never more than ``max_num_seqs`` full-length
+    sequences need; never fewer than one full-length sequence needs."""
+    if config.num_kv_blocks is not None:
+        blocks = config.num_kv_blocks
+    else:
+        blocks = int(_kv_budget_bytes(config, runtime) // bytes_per_block)
+        per_seq = -(-runtime.max_model_len // runtime.block_size)
+        blocks = min(blocks, config.max_num_seqs * per_seq)
+    needed = -(-runtime.max_model_len // runtime.block_size)
+    if blocks < needed:
+        raise ValueError(
+            f"the KV cache holds {blocks} blocks of {runtime.block_size} tokens, fewer than one "
+            f"sequence of max_model_len={runtime.max_model_len} needs ({needed}); raise "
+            "num_kv_blocks / kv_cache_memory_gb or lower max_model_len"
+        )
+    return blocks
+
+
+def _kv_budget_bytes(config: EngineConfig, runtime: EngineRuntime) -> float:
+    """Called after the weights are loaded, so free GPU memory already excludes them."""
+    if config.kv_cache_memory_gb is not None:
+        return config.kv_cache_memory_gb * 2**30
+    if runtime.device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(runtime.device)
+        return free * config.gpu_memory_utilization
+    return DEFAULT_CPU_KV_CACHE_GB * 2**30

@@ -1,0 +1,86 @@
+"""Rotary position embeddings with the RoPE scalings found in Llama-family checkpoints.
+
+cos/sin tables for every position up to the model's context are built once; a forward
+pass only indexes them. ``rotate_half`` layout (the first half of the head dimension
+pairs with the second half), as HuggingFace checkpoints expect.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from tandem.model_config import RopeConfig, RopeScaling
+
+
+def inverse_frequencies(head_dim: int, rope: RopeConfig) -> torch.Tensor:
+    """Per-pair rotation speeds, float32, shape ``[head_dim // 2]``."""
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
+    inv_freq = 1.0 / (rope.theta**exponents)
+    if rope.scaling is RopeScaling.LINEAR:
+        return inv_freq / rope.factor
+    if rope.scaling is RopeScaling.LLAMA3:
+        return _llama3_scaled(inv_freq, rope)
+    return inv_freq
+
+
+def _llama3_scaled(inv_freq: torch.Tensor, rope: RopeConfig) -> torch.Tensor:
+    """Llama 3.1 scaling: wavelengths longer than ``old_len / low_freq_factor`` are slowed by
+    ``factor``, shorter than ``old_len / high_freq_factor`` kept, and the band in between
+    interpolated linearly in ``old_len / wavelength``."""
+    old_len = rope.original_max_position_embeddings
+    wavelen = 2 * math.pi / inv_freq
+    slowed = torch.where(wavelen > old_len / rope.low_freq_factor, inv_freq / rope.factor, inv_freq)
+    smooth = (old_len / wavelen - rope.low_freq_factor) / (
+        rope.high_freq_factor - rope.low_freq_factor
+    )
+    blended = (1 - smooth) * slowed / rope.factor + smooth * slowed
+    in_band = ~(wavelen < old_len / rope.high_freq_factor) & ~(
+        wavelen > old_len / rope.low_freq_factor
+    )
+    return torch.where(in_band, blended, slowed)
+
+
+class RotaryEmbedding(nn.Module):
+    """cos/sin tables (computed in float32, stored in the model dtype) indexed by position."""
+
+    def __init__(
+        self, head_dim: int, max_positions: int, rope: RopeConfig, dtype: torch.dtype
+    ) -> None:
+        super().__init__()
+        self.head_dim, self.max_positions, self.rope, self.dtype = (
+            head_dim,
+            max_positions,
+            rope,
+            dtype,
+        )
+        self.register_buffer(
+            "cos", torch.empty(max_positions, head_dim, dtype=dtype), persistent=False
+        )
+        self.register_buffer(
+            "sin", torch.empty(max_positions, head_dim, dtype=dtype), persistent=False
+        )
+
+    def materialize(self, device: torch.device) -> None:
+        """Fill the tables on ``device`` (models are built on the meta device, then loaded)."""
+        inv_freq = inverse_frequencies(self.head_dim, self.rope).to(device)
+        positions = torch.arange(self.max_positions, dtype=torch.float32, device=device)
+        angles = torch.outer(positions, inv_freq)
+        angles = torch.cat([angles, angles], dim=-1)
+        self.cos = angles.cos().to(self.dtype)
+        self.sin = angles.sin().to(self.dtype)
+
+    def forward(
+        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rotate ``q [T, H, D]`` and ``k [T, KVH, D]`` by their token ``positions [T]``."""
+        cos = self.cos[positions].unsqueeze(1)
+        sin = self.sin[positions].unsqueeze(1)
+        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)

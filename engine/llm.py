@@ -1,0 +1,100 @@
+"""The offline API, vLLM-style::
+
+from engine import LLM, SamplingParams
+llm = LLM("path/to/checkpoint", dtype="float32")
+outputs = llm.generate(["Hello", [1, 2, 3]], SamplingParams(temperature=0, max_tokens=32))
+print(outputs[0].text, outputs[0].token_ids, outputs[0].finish_reason)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from engine.config import EngineConfig
+from engine.llm_engine import LLMEngine
+from engine.outputs import RequestOutput
+from engine.request import Request
+from tandem.sampling_params import SamplingParams
+
+Prompt = str | list[int]
+
+
+class LLM:
+    def __init__(self, model: str, **config: Any) -> None:
+        """``config``: any ``EngineConfig`` field (dtype, block_size, max_num_seqs, ...)."""
+        self.engine = LLMEngine(EngineConfig(model=str(model), **config))
+
+    def get_tokenizer(self):
+        return self.engine.tokenizer
+
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        priority: Sequence[int] | None = None,
+    ) -> list[RequestOutput]:
+        """Run every prompt to completion; outputs come back in prompt order. Either all
+        prompts are accepted or none is (a ``ValueError`` names the first bad one)."""
+        prompt_list = _as_prompt_list(prompts)
+        params = _as_params_list(sampling_params, len(prompt_list))
+        priorities = list(priority) if priority is not None else [0] * len(prompt_list)
+        outputs: dict[str, RequestOutput] = {}
+        requests: dict[str, Request] = {}
+        try:
+            for prompt, p, prio in zip(prompt_list, params, priorities, strict=True):
+                request = self.engine.add_request(prompt, p, priority=prio)
+                requests[request.request_id] = request
+                outputs[request.request_id] = RequestOutput(
+                    request.request_id,
+                    prompt if isinstance(prompt, str) else None,
+                    list(request.prompt_token_ids),
+                    [],
+                    "",
+                    None,
+                    [] if p.logprobs is not None else None,
+                )
+            self._run(outputs, requests)
+        except BaseException:
+            for request_id in outputs:
+                self.engine.abort_request(request_id)
+            raise
+        return list(outputs.values())
+
+    def _run(self, outputs: dict[str, RequestOutput], requests: dict[str, Request]) -> None:
+        pending = set(outputs)
+        while pending:
+            for delta in self.engine.step():
+                out = outputs.get(delta.request_id)
+                if out is None:
+                    continue
+                out.token_ids.extend(delta.new_token_ids)
+                out.text += delta.new_text
+                if out.logprobs is not None:
+                    out.logprobs.extend(delta.new_logprobs)
+                if delta.finished:
+                    out.finish_reason = delta.finish_reason
+                    out.num_cached_tokens = requests[delta.request_id].num_cached_tokens
+                    pending.discard(delta.request_id)
+
+
+def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
+    if isinstance(prompts, str):
+        return [prompts]
+    items = list(prompts)
+    if items and all(isinstance(t, int) for t in items):
+        return [items]  # a single prompt given as token ids
+    return [p if isinstance(p, str) else list(p) for p in items]
+
+
+def _as_params_list(
+    params: SamplingParams | Sequence[SamplingParams] | None, n: int
+) -> list[SamplingParams]:
+    if params is None:
+        return [SamplingParams()] * n
+    if isinstance(params, SamplingParams):
+        return [params] * n
+    items = list(params)
+    if len(items) != n:
+        raise ValueError(f"got {len(items)} sampling_params for {n} prompts")
+    return items

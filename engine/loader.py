@@ -1,0 +1,50 @@
+"""Build a model from a HuggingFace checkpoint directory (``*.safetensors``).
+
+The model is constructed on the meta device (no random init, no memory), materialised
+on the target device, then every parameter is filled from the memory-mapped
+safetensors files. A checkpoint that leaves any parameter unfilled is refused with the
+missing names; nothing half-loaded is returned.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from torch import nn
+
+from engine.models import model_class
+from tandem.model_config import ModelConfig
+
+
+def iter_checkpoint_tensors(model_dir: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
+    files = sorted(Path(model_dir).glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"model directory {model_dir!s} has no *.safetensors files")
+    for path in files:
+        with safe_open(str(path), framework="pt", device="cpu") as f:
+            for name in f.keys():  # noqa: SIM118 - safe_open is not a mapping
+                yield name, f.get_tensor(name)
+
+
+def load_model(
+    model_dir: str | Path, config: ModelConfig, dtype: torch.dtype, device: torch.device
+) -> nn.Module:
+    cls = model_class(config)
+    with torch.device("meta"):
+        model = cls(config, dtype).to(dtype)
+    model = model.to_empty(device=device)
+    if config.tie_word_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    with torch.no_grad():
+        filled = model.load_weights(iter_checkpoint_tensors(model_dir))
+    missing = sorted(set(dict(model.named_parameters())) - filled)
+    if missing:
+        shown = ", ".join(missing[:8]) + (
+            f" and {len(missing) - 8} more" if len(missing) > 8 else ""
+        )
+        raise ValueError(f"checkpoint in {model_dir!s} is missing tensors: {shown}")
+    model.model.rotary.materialize(device)
+    return model.eval().requires_grad_(False)

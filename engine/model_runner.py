@@ -1,0 +1,150 @@
+"""Executes a scheduled step: builds the flattened batch, runs the model, samples.
+
+Owns everything that is a tensor — the weights, the paged KV cache, the attention
+backend, per-request random generators — and makes no policy decisions. One call of
+``execute`` is one forward pass over all scheduled tokens.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from engine.attention.base import AttentionBackendKind, make_backend
+from engine.attention.metadata import AttentionMetadata
+from engine.loader import load_model
+from engine.sampler import Sampler, SamplingRow, TokenLogprobs
+from engine.scheduler import ScheduledChunk, SchedulerOutput
+from engine.stopping import banned_tokens
+from tandem.model_config import ModelConfig
+
+
+@dataclass(frozen=True)
+class RunnerOutput:
+    sampled: dict[str, list[int]]
+    logprobs: dict[str, list[TokenLogprobs]]
+
+
+@dataclass(frozen=True)
+class KVCacheLayout:
+    """Per-layer cache tensor: ``[2 (K, V), num_blocks, block_size, num_kv_heads, head_dim]``."""
+
+    block_size: int
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: torch.dtype
+
+    @property
+    def bytes_per_token(self) -> int:
+        itemsize = torch.empty((), dtype=self.dtype).element_size()
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * itemsize
+
+    @property
+    def bytes_per_block(self) -> int:
+        return self.bytes_per_token * self.block_size
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        model_dir: str,
+        model_config: ModelConfig,
+        layout: KVCacheLayout,
+        backend: AttentionBackendKind,
+        device: torch.device,
+        eos_token_ids: Collection[int],
+        seed: int,
+    ) -> None:
+        self.device = device
+        self.layout = layout
+        self.eos_token_ids = eos_token_ids
+        self.model = load_model(model_dir, model_config, layout.dtype, device)
+        self.kv_caches: list[torch.Tensor] = []
+        self.backend = make_backend(backend, model_config.head_dim**-0.5, layout.block_size)
+        self.sampler = Sampler(device, seed)
+        self._generators: dict[str, torch.Generator] = {}
+
+    def allocate_kv_cache(self, num_blocks: int) -> None:
+        """Zero-filled, so padding slots never hold NaNs that a masked read could pick up."""
+        lay = self.layout
+        shape = (2, num_blocks, lay.block_size, lay.num_kv_heads, lay.head_dim)
+        self.kv_caches = [
+            torch.zeros(shape, dtype=lay.dtype, device=self.device) for _ in range(lay.num_layers)
+        ]
+
+    @torch.inference_mode()
+    def execute(self, step: SchedulerOutput) -> RunnerOutput:
+        for request_id in step.finished_request_ids:
+            self._generators.pop(request_id, None)
+        chunks = sorted(step.chunks, key=lambda c: c.num_tokens > 1)  # decodes first
+        input_ids, positions, meta = self._prepare(chunks)
+        self.backend.plan(meta)
+        hidden = self.model(input_ids, positions, self.kv_caches, self.backend, meta)
+        sampling = [(i, c) for i, c in enumerate(chunks) if c.samples]
+        if not sampling:
+            return RunnerOutput({}, {})
+        last_token = torch.tensor([meta.query_start_loc[i + 1] - 1 for i, _ in sampling])
+        logits = self.model.compute_logits(hidden[last_token.to(self.device)])
+        result = self.sampler(logits, [self._sampling_row(c) for _, c in sampling])
+        sampled, logprobs = {}, {}
+        for (_, chunk), token, lp in zip(sampling, result.token_ids, result.logprobs, strict=True):
+            sampled[chunk.request.request_id] = [token]
+            if lp is not None:
+                logprobs[chunk.request.request_id] = [lp]
+        return RunnerOutput(sampled, logprobs)
+
+    def _prepare(
+        self, chunks: list[ScheduledChunk]
+    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+        bs = self.layout.block_size
+        q_lens = np.fromiter((c.num_tokens for c in chunks), dtype=np.int64, count=len(chunks))
+        starts = np.fromiter((c.start for c in chunks), dtype=np.int64, count=len(chunks))
+        query_start_loc = np.zeros(len(chunks) + 1, dtype=np.int64)
+        np.cumsum(q_lens, out=query_start_loc[1:])
+        seq_of_token = np.repeat(np.arange(len(chunks)), q_lens)
+        positions = np.arange(int(query_start_loc[-1])) - np.repeat(
+            query_start_loc[:-1] - starts, q_lens
+        )
+        max_blocks = max(len(c.block_ids) for c in chunks)
+        table = np.zeros((len(chunks), max_blocks), dtype=np.int64)
+        for i, c in enumerate(chunks):
+            table[i, : len(c.block_ids)] = c.block_ids
+        slots = table[seq_of_token, positions // bs] * bs + positions % bs
+        input_ids = [t for c in chunks for t in c.request.all_token_ids[c.start : c.end]]
+        seq_lens = starts + q_lens
+        to = self.device
+        meta = AttentionMetadata(
+            slot_mapping=torch.from_numpy(slots).to(to),
+            block_table=torch.from_numpy(table).to(to),
+            seq_lens=torch.from_numpy(seq_lens).to(to),
+            query_start_loc=tuple(query_start_loc.tolist()),
+            seq_lens_list=tuple(seq_lens.tolist()),
+            num_decodes=int((q_lens == 1).sum()),
+            block_size=bs,
+        )
+        return (
+            torch.tensor(input_ids, dtype=torch.long, device=to),
+            torch.from_numpy(positions).to(to),
+            meta,
+        )
+
+    def _sampling_row(self, chunk: ScheduledChunk) -> SamplingRow:
+        request = chunk.request
+        params = request.sampling_params
+        generator = None
+        if params.seed is not None and not params.greedy:
+            generator = self._generators.get(request.request_id)
+            if generator is None:
+                generator = torch.Generator(self.device).manual_seed(params.seed)
+                self._generators[request.request_id] = generator
+        return SamplingRow(
+            params=params,
+            prompt_token_ids=request.prompt_token_ids,
+            output_token_ids=request.output_token_ids,
+            generator=generator,
+            banned_token_ids=banned_tokens(request, self.eos_token_ids),
+        )

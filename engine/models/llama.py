@@ -1,0 +1,169 @@
+"""The Llama decoder: pre-norm blocks of grouped-query attention and a SwiGLU MLP.
+
+Runs a flattened batch: ``input_ids [T]`` of all scheduled tokens of all sequences, with
+``positions [T]``; attention finds each token's sequence through the metadata. The module
+tree mirrors HuggingFace's so checkpoint names map one to one, except that q/k/v and
+gate/up are fused into single matrices at load time (one matmul instead of three/two).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+from engine.attention.base import AttentionBackend
+from engine.attention.metadata import AttentionMetadata
+from engine.layers.attention import SelfAttention
+from engine.layers.mlp import GatedMLP
+from engine.layers.norm import RMSNorm
+from engine.layers.rotary import RotaryEmbedding
+from tandem.model_config import ModelConfig
+
+# Checkpoint tensor suffix -> (fused parameter suffix, shard index).
+FUSED_SHARDS: dict[str, tuple[str, int]] = {
+    "q_proj": ("qkv_proj", 0),
+    "k_proj": ("qkv_proj", 1),
+    "v_proj": ("qkv_proj", 2),
+    "gate_proj": ("gate_up_proj", 0),
+    "up_proj": ("gate_up_proj", 1),
+}
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, layer_index: int) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = SelfAttention(
+            config.hidden_size,
+            config.num_heads,
+            config.num_kv_heads,
+            config.head_dim,
+            config.qkv_bias,
+            config.sliding_windows[layer_index],
+        )
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = GatedMLP(config.hidden_size, config.intermediate_size)
+
+    def forward(
+        self,
+        h: torch.Tensor,
+        residual: torch.Tensor | None,
+        positions: torch.Tensor,
+        rotary: RotaryEmbedding,
+        kv_cache: torch.Tensor,
+        backend: AttentionBackend,
+        meta: AttentionMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            h, residual = self.input_layernorm(h), h
+        else:
+            h, residual = self.input_layernorm.forward_with_residual(h, residual)
+        h = self.self_attn(h, positions, rotary, kv_cache, backend, meta)
+        h, residual = self.post_attention_layernorm.forward_with_residual(h, residual)
+        return self.mlp(h), residual
+
+
+class DecoderStack(nn.Module):
+    def __init__(self, config: ModelConfig, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.rotary = RotaryEmbedding(
+            config.head_dim, config.max_position_embeddings, config.rope, dtype
+        )
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[torch.Tensor],
+        backend: AttentionBackend,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        h, residual = self.embed_tokens(input_ids), None
+        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+            h, residual = layer(h, residual, positions, self.rotary, kv_cache, backend, meta)
+        h, _ = self.norm.forward_with_residual(h, residual)
+        return h
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, config: ModelConfig, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.config = config
+        self.model = DecoderStack(config, dtype)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[torch.Tensor],
+        backend: AttentionBackend,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        """Final hidden states ``[T, hidden]`` of every scheduled token."""
+        return self.model(input_ids, positions, kv_caches, backend, meta)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden)
+
+    def checkpoint_targets(self, name: str) -> tuple[str, int | None] | None:
+        """Where checkpoint tensor ``name`` goes: ``(parameter name, shard index or None)``,
+        or ``None`` for tensors this model does not use."""
+        if name == "lm_head.weight" and self.config.tie_word_embeddings:
+            return None
+        if name.endswith("rotary_emb.inv_freq"):
+            return None
+        prefix, _, leaf = name.rpartition(".")
+        module_path, _, proj = prefix.rpartition(".")
+        if proj in FUSED_SHARDS:
+            fused, shard = FUSED_SHARDS[proj]
+            return f"{module_path}.{fused}.{leaf}", shard
+        return name, None
+
+    def shard_sizes(self, fused_name: str) -> list[int]:
+        """Row sizes of the shards stacked in a fused parameter."""
+        c = self.config
+        if ".qkv_proj." in fused_name:
+            return [c.q_size, c.kv_size, c.kv_size]
+        return [c.intermediate_size, c.intermediate_size]
+
+    def load_weights(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """Copy checkpoint tensors into parameters; returns the names of the filled ones
+        (a fused parameter counts once all its shards arrived)."""
+        params = dict(self.named_parameters())
+        shards_seen: dict[str, set[int]] = {}
+        filled: set[str] = set()
+        for name, tensor in tensors:
+            target = self.checkpoint_targets(name)
+            if target is None:
+                continue
+            param_name, shard = target
+            param = params.get(param_name)
+            if param is None:
+                raise ValueError(
+                    f"checkpoint tensor {name!r} has no place in {type(self).__name__}"
+                )
+            dest = param.data
+            if shard is not None:
+                sizes = self.shard_sizes(param_name)
+                dest = dest.narrow(0, sum(sizes[:shard]), sizes[shard])
+            if dest.shape != tensor.shape:
+                raise ValueError(
+                    f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, "
+                    f"expected {tuple(dest.shape)}"
+                )
+            dest.copy_(tensor)
+            if shard is None:
+                filled.add(param_name)
+                continue
+            shards_seen.setdefault(param_name, set()).add(shard)
+            if len(shards_seen[param_name]) == len(self.shard_sizes(param_name)):
+                filled.add(param_name)
+        return filled

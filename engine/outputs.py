@@ -1,0 +1,63 @@
+"""What the engine hands back: per-step deltas (online) and whole results (offline)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from engine.sampler import TokenLogprobs
+
+
+@dataclass(frozen=True)
+class RequestDelta:
+    """One request's progress in one engine step (the unit a server streams)."""
+
+    request_id: str
+    new_token_ids: list[int]
+    new_text: str
+    """Text that became final this step (never a partial UTF-8 character, never the
+    beginning of a stop string that might still match)."""
+    finish_reason: str | None
+    """``None`` while running; then ``"stop"``, ``"length"`` or ``"abort"``."""
+    new_logprobs: list[TokenLogprobs]
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class RequestOutput:
+    """A finished (or aborted) request, as the offline ``LLM.generate`` returns it."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str
+    finish_reason: str | None
+    logprobs: list[TokenLogprobs] | None
+    num_cached_tokens: int = 0
+
+
+@dataclass(frozen=True)
+class KVUsage:
+    """KV memory in use against the ideal (exactly the computed tokens, no padding)."""
+
+    used_blocks: int
+    stored_tokens: int
+    block_size: int
+    bytes_per_token: int
+
+    @property
+    def used_bytes(self) -> int:
+        return self.used_blocks * self.block_size * self.bytes_per_token
+
+    @property
+    def ideal_bytes(self) -> int:
+        return self.stored_tokens * self.bytes_per_token
+
+    @property
+    def waste(self) -> float:
+        """Fraction of allocated slots holding no token (0 when nothing is allocated)."""
+        slots = self.used_blocks * self.block_size
+        return 1 - self.stored_tokens / slots if slots else 0.0

@@ -1,0 +1,85 @@
+"""A request's life inside one engine: its tokens, its progress and its status.
+
+Progress is counted in tokens, never in phases: ``num_computed_tokens`` (tokens whose
+KV is in the cache) catches up with ``num_tokens`` (prompt + output). A prefix-cache
+hit, a chunk of prefill, KV received from another worker and a decode step are all
+just computed tokens. Torch-free.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+from tandem.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    """Queued; holds no KV blocks."""
+    RUNNING = "running"
+    """Admitted; holds KV blocks and is scheduled every step until it finishes."""
+    PREEMPTED = "preempted"
+    """Evicted to free blocks; back in the queue and will recompute its KV."""
+    FINISHED = "finished"
+
+    @property
+    def holds_blocks(self) -> bool:
+        return self is RequestStatus.RUNNING
+
+
+class FinishReason(enum.Enum):
+    """Why a request stopped; ``.value`` is the vLLM-compatible string."""
+
+    STOP = "stop"
+    """An EOS token, a stop token id or a stop string."""
+    LENGTH = "length"
+    """``max_tokens`` reached, or the model's context is full."""
+    ABORT = "abort"
+    """Cancelled by the caller or failed."""
+
+
+@dataclass(eq=False)
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    priority: int = 0
+    """Lower runs first; ties go to the earlier arrival."""
+    arrival_time: float = field(default_factory=time.monotonic)
+    output_token_ids: list[int] = field(default_factory=list)
+    all_token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    num_cached_tokens: int = 0
+    """Prompt tokens served from the prefix cache at the last admission."""
+    status: RequestStatus = RequestStatus.WAITING
+    finish_reason: FinishReason | None = None
+    num_preemptions: int = 0
+
+    def __post_init__(self) -> None:
+        self.all_token_ids = [*self.prompt_token_ids, *self.output_token_ids]
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        return self.num_tokens - self.num_computed_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is RequestStatus.FINISHED
+
+    def append_output_token(self, token_id: int) -> None:
+        self.output_token_ids.append(token_id)
+        self.all_token_ids.append(token_id)

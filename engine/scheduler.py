@@ -1,0 +1,213 @@
+"""Iteration-level scheduling: which requests compute how many tokens this step.
+
+Every step has a token budget (``max_num_batched_tokens``). Running requests are served
+first, in priority order (lower ``priority`` first, then earlier arrival): a decode asks
+for one token, an unfinished prefill for as much of its prompt as the budget allows
+(chunked prefill), so long prompts never stall the decodes sharing their step. Then
+waiting requests are admitted in the same order while budget, ``max_num_seqs`` and KV
+blocks last; each starts after its longest cached prefix.
+
+When a running request cannot get a block, the lowest-priority, latest-arrived running
+request is preempted: its blocks are freed and it waits to recompute its KV (its
+prompt *and* the tokens it already produced, so its output continues unchanged).
+
+Torch-free: the scheduler decides; the model runner executes.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Collection
+from dataclasses import dataclass, field
+
+from engine.kv_cache_manager import KVCacheManager
+from engine.request import FinishReason, Request, RequestStatus
+from engine.stopping import check_token_stop
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int = 128
+    max_num_batched_tokens: int = 2048
+    max_model_len: int = 2048
+    enable_chunked_prefill: bool = True
+
+    def __post_init__(self) -> None:
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens < 1:
+            raise ValueError(
+                f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}"
+            )
+        if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
+            raise ValueError(
+                f"without chunked prefill, max_num_batched_tokens ({self.max_num_batched_tokens})"
+                f" must be >= max_model_len ({self.max_model_len}) so any prompt fits one step"
+            )
+
+
+@dataclass(frozen=True)
+class ScheduledChunk:
+    """``num_tokens`` tokens of ``request`` from position ``start`` are computed this step."""
+
+    request: Request
+    start: int
+    num_tokens: int
+    block_ids: tuple[int, ...]
+
+    @property
+    def end(self) -> int:
+        return self.start + self.num_tokens
+
+    @property
+    def samples(self) -> bool:
+        """Whether the chunk reaches the request's last token, so a new token is sampled."""
+        return self.end == self.request.num_tokens
+
+
+@dataclass(frozen=True)
+class SchedulerOutput:
+    chunks: tuple[ScheduledChunk, ...]
+    preempted: tuple[Request, ...] = ()
+    finished_request_ids: tuple[str, ...] = ()
+    """Requests that left since the previous step (the runner drops their state)."""
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(c.num_tokens for c in self.chunks)
+
+
+@dataclass(frozen=True)
+class StepUpdate:
+    """What one step did to one request: tokens appended and, maybe, its finish."""
+
+    request: Request
+    new_token_ids: list[int]
+    finish_reason: FinishReason | None
+
+
+@dataclass
+class Scheduler:
+    config: SchedulerConfig
+    kv: KVCacheManager
+    eos_token_ids: Collection[int]
+    waiting: list[Request] = field(default_factory=list)
+    running: list[Request] = field(default_factory=list)
+    num_preemptions: int = 0
+    """Total since start (a metric; the model output never depends on it)."""
+    _finished_ids: list[str] = field(default_factory=list)
+
+    # --- queue management -------------------------------------------------------------
+
+    def add(self, request: Request) -> None:
+        request.status = RequestStatus.WAITING
+        bisect.insort(self.waiting, request, key=_order)
+
+    def finish(self, request: Request, reason: FinishReason) -> None:
+        """Remove ``request`` wherever it is and free its blocks (abort included)."""
+        if request.is_finished:
+            return
+        queue = self.running if request.status is RequestStatus.RUNNING else self.waiting
+        queue.remove(request)
+        request.status, request.finish_reason = RequestStatus.FINISHED, reason
+        self.kv.forget(request)
+        self._finished_ids.append(request.request_id)
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.waiting) + len(self.running)
+
+    # --- one step ----------------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        budget = self.config.max_num_batched_tokens
+        chunks: list[ScheduledChunk] = []
+        preempted: list[Request] = []
+        i = 0
+        while i < len(self.running) and budget > 0:
+            request = self.running[i]
+            num_new = min(request.num_uncomputed_tokens, budget)
+            if not self._grow_or_preempt(request, num_new, preempted):
+                break  # `request` itself was preempted: nothing after it can run either
+            chunks.append(self._chunk(request, num_new))
+            budget -= num_new
+            i += 1
+        if not preempted:
+            budget = self._admit(budget, chunks)
+        finished, self._finished_ids = tuple(self._finished_ids), []
+        return SchedulerOutput(tuple(chunks), tuple(preempted), finished)
+
+    def update(self, output: SchedulerOutput, sampled: dict[str, list[int]]) -> list[StepUpdate]:
+        """Advance computed tokens, append sampled ones, finish what is done."""
+        updates = []
+        for chunk in output.chunks:
+            request = chunk.request
+            if request.is_finished:
+                continue  # aborted while the step ran
+            request.num_computed_tokens = chunk.end
+            self.kv.publish_full_blocks(request)
+            new_tokens = sampled.get(request.request_id, [])
+            reason = None
+            for token in new_tokens:
+                request.append_output_token(token)
+                reason = check_token_stop(request, self.eos_token_ids, self.config.max_model_len)
+                if reason is not None:
+                    self.finish(request, reason)
+                    break
+            if new_tokens:
+                updates.append(StepUpdate(request, new_tokens, reason))
+        return updates
+
+    # --- helpers -----------------------------------------------------------------------
+
+    def _chunk(self, request: Request, num_new: int) -> ScheduledChunk:
+        start = request.num_computed_tokens
+        return ScheduledChunk(request, start, num_new, tuple(self.kv.block_ids(request)))
+
+    def _grow_or_preempt(self, request: Request, num_new: int, preempted: list[Request]) -> bool:
+        """Allocate for ``request``, preempting from the back of ``running`` until it fits.
+        Returns ``False`` if ``request`` itself had to go."""
+        while not self.kv.allocate(request, num_new):
+            if len(self.running) == 1:
+                raise RuntimeError(
+                    f"request {request.request_id!r} alone needs more KV cache than exists; "
+                    "the engine must keep max_model_len within the pool"
+                )
+            victim = self.running[-1]
+            self._preempt(victim)
+            preempted.append(victim)
+            if victim is request:
+                return False
+        return True
+
+    def _preempt(self, request: Request) -> None:
+        self.running.remove(request)
+        self.kv.free(request)
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        bisect.insort(self.waiting, request, key=_order)
+        request.status = RequestStatus.PREEMPTED
+
+    def _admit(self, budget: int, chunks: list[ScheduledChunk]) -> int:
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            request = self.waiting[0]
+            prefix = self.kv.find_cached_prefix(request)
+            num_new = request.num_tokens - prefix.num_tokens
+            if num_new > budget:
+                if not self.config.enable_chunked_prefill:
+                    break
+                num_new = budget
+            if not self.kv.allocate(request, num_new, prefix):
+                break
+            self.waiting.pop(0)
+            request.num_computed_tokens = request.num_cached_tokens = prefix.num_tokens
+            request.status = RequestStatus.RUNNING
+            bisect.insort(self.running, request, key=_order)
+            chunks.append(self._chunk(request, num_new))
+            budget -= num_new
+        return budget
+
+
+def _order(request: Request) -> tuple[int, float]:
+    return (request.priority, request.arrival_time)

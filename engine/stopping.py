@@ -1,0 +1,58 @@
+"""When a request is done: token-level checks (engine core) and stop strings (output side).
+
+Torch-free. The finish reasons match vLLM's strings: ``stop`` for EOS / stop tokens /
+stop strings, ``length`` for ``max_tokens`` or a full context.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection
+from dataclasses import dataclass
+
+from engine.request import FinishReason, Request
+
+
+def check_token_stop(
+    request: Request, eos_token_ids: Collection[int], max_model_len: int
+) -> FinishReason | None:
+    """Checked after each appended output token."""
+    params = request.sampling_params
+    last = request.output_token_ids[-1]
+    if request.num_output_tokens >= params.min_tokens and (
+        last in params.stop_token_ids or (not params.ignore_eos and last in eos_token_ids)
+    ):
+        return FinishReason.STOP
+    if request.num_output_tokens >= params.max_tokens or request.num_tokens >= max_model_len:
+        return FinishReason.LENGTH
+    return None
+
+
+def banned_tokens(request: Request, eos_token_ids: Collection[int]) -> tuple[int, ...]:
+    """Token ids the sampler must not pick for ``request`` this step (under ``min_tokens``)."""
+    params = request.sampling_params
+    if request.num_output_tokens >= params.min_tokens:
+        return ()
+    eos = () if params.ignore_eos else tuple(eos_token_ids)
+    return (*eos, *params.stop_token_ids)
+
+
+@dataclass(frozen=True)
+class StopStringMatch:
+    keep_chars: int
+    """How many characters of the text stay (the text is cut there)."""
+
+
+def find_stop_string(
+    text: str, num_new_chars: int, stops: Collection[str], include_stop: bool
+) -> StopStringMatch | None:
+    """Look for a stop string that ends inside the last ``num_new_chars`` characters;
+    the earliest match wins."""
+    if not stops or not num_new_chars:
+        return None
+    longest = max(len(s) for s in stops)
+    window_start = max(0, len(text) - num_new_chars - longest + 1)
+    matches = [(at, stop) for stop in stops if (at := text.find(stop, window_start)) >= 0]
+    if not matches:
+        return None
+    at, stop = min(matches)
+    return StopStringMatch(at + len(stop) if include_stop else at)

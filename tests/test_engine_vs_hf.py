@@ -1,0 +1,105 @@
+"""Greedy output of the offline engine equals HuggingFace transformers, token for token,
+in float32 — plain, with chunked prefill forced small, on a prefix-cache hit, and with a
+KV pool so small that requests get preempted and recomputed."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from engine import LLM, SamplingParams
+from tests.hf_reference import hf_greedy, random_prompts
+
+NUM_NEW = 24
+GREEDY = SamplingParams(temperature=0, max_tokens=NUM_NEW, ignore_eos=True)
+ARCHS = ["llama", "qwen2", "mistral"]
+
+
+def assert_pool_idle(llm: LLM) -> None:
+    engine = llm.engine
+    assert not engine.has_unfinished_requests()
+    assert engine.block_pool.num_free_blocks == engine.num_kv_blocks, "KV blocks leaked"
+    assert all(b.ref_count == 0 for b in engine.block_pool.blocks)
+
+
+@pytest.fixture(scope="module")
+def prompts() -> list[list[int]]:
+    # Mixed lengths, several beyond the tiny Mistral's 64-token sliding window.
+    return random_prompts(10, vocab=4096, lengths=(1, 110))
+
+
+@pytest.fixture(scope="module")
+def reference(make_checkpoint: Callable[..., Path], prompts: list[list[int]]):
+    cache: dict[str, list[list[int]]] = {}
+
+    def get(arch: str, **kw: object) -> tuple[Path, list[list[int]]]:
+        model_dir = make_checkpoint(arch, **kw)
+        if str(model_dir) not in cache:
+            cache[str(model_dir)] = hf_greedy(model_dir, prompts, NUM_NEW)
+        return model_dir, cache[str(model_dir)]
+
+    return get
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_greedy_matches_transformers(arch: str, reference, prompts) -> None:
+    model_dir, expected = reference(arch)
+    llm = LLM(model_dir, dtype="float32", num_kv_blocks=256)
+    outs = llm.generate(prompts, GREEDY)
+    assert [o.token_ids for o in outs] == expected
+    assert all(o.finish_reason == "length" for o in outs)
+    # Second pass: every prompt's leading full blocks come from the prefix cache.
+    again = llm.generate(prompts, GREEDY)
+    assert [o.token_ids for o in again] == expected
+    assert sum(o.num_cached_tokens for o in again) > 0
+    for out, prompt in zip(again, prompts, strict=True):
+        assert out.num_cached_tokens == (len(prompt) - 1) // 16 * 16
+    assert_pool_idle(llm)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_greedy_matches_with_tiny_prefill_chunks(arch: str, reference, prompts) -> None:
+    model_dir, expected = reference(arch)
+    llm = LLM(model_dir, dtype="float32", num_kv_blocks=256, max_num_batched_tokens=7)
+    assert [o.token_ids for o in llm.generate(prompts, GREEDY)] == expected
+    assert_pool_idle(llm)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_greedy_matches_under_preemption(arch: str, reference, prompts) -> None:
+    model_dir, expected = reference(arch)
+    # 18 blocks of 8 tokens: one 140-token sequence fits, ten together do not.
+    llm = LLM(model_dir, dtype="float32", block_size=8, num_kv_blocks=18, max_model_len=144)
+    outs = llm.generate(prompts, GREEDY)
+    assert llm.engine.scheduler.num_preemptions > 0
+    assert [o.token_ids for o in outs] == expected
+    assert_pool_idle(llm)
+
+
+@pytest.mark.parametrize(
+    "variant",
+    [
+        {"rope_scaling": "llama3"},
+        {"rope_scaling": "linear", "config_style": "v5"},
+        {"rope_scaling": "llama3", "config_style": "v5"},
+        {"kv_heads": 1},  # MQA
+        {"kv_heads": 4},  # MHA
+    ],
+    ids=["llama3-rope", "linear-rope-v5", "llama3-rope-v5", "mqa", "mha"],
+)
+def test_llama_variants_match(variant: dict, reference, prompts) -> None:
+    model_dir, expected = reference("llama", **variant)
+    llm = LLM(model_dir, dtype="float32", num_kv_blocks=256)
+    assert [o.token_ids for o in llm.generate(prompts, GREEDY)] == expected
+    assert_pool_idle(llm)
+
+
+@pytest.mark.parametrize("arch", ["llama", "mistral"])
+def test_reference_backend_matches(arch: str, reference, prompts) -> None:
+    model_dir, expected = reference(arch)
+    llm = LLM(model_dir, dtype="float32", num_kv_blocks=256, attention_backend="torch",
+              max_num_batched_tokens=32)  # fmt: skip
+    assert [o.token_ids for o in llm.generate(prompts, GREEDY)] == expected
+    assert_pool_idle(llm)
