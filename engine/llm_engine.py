@@ -15,22 +15,30 @@ from engine.block_pool import BlockPool
 from engine.config import EngineConfig, EngineRuntime, num_kv_blocks, resolve_runtime
 from engine.kv_cache_manager import KVCacheManager
 from engine.model_runner import KVCacheLayout, ModelRunner
-from engine.output_processor import OutputProcessor
-from engine.outputs import KVUsage, RequestDelta
-from engine.request import FinishReason, Request
+from engine.outputs import EngineLoad, KVUsage, RequestDelta
+from engine.request import FinishReason, PrefillMode, Request, RequestStatus
 from engine.sampler import TokenLogprobs
-from engine.scheduler import Scheduler, SchedulerConfig, StepUpdate
+from engine.scheduler import KVPull, Scheduler, SchedulerConfig, StepUpdate
 from tandem.kv_events import KVCacheEvent
 from tandem.model_config import ModelConfig
 from tandem.sampling_params import SamplingParams
+from tandem.text_stream import TextStream
 from tandem.tokenizer import Tokenizer
 
 KVEventCallback = Callable[[list[KVCacheEvent]], None]
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig, on_kv_events: KVEventCallback | None = None) -> None:
+    def __init__(
+        self,
+        config: EngineConfig,
+        on_kv_events: KVEventCallback | None = None,
+        detokenize: bool = True,
+    ) -> None:
+        """``detokenize=False``: deltas carry token ids only and stop strings are refused —
+        for workers whose caller (the router) turns tokens into text."""
         self.config = config
+        self.detokenize = detokenize
         self.model_config = ModelConfig.from_dir(config.model)
         self.tokenizer = Tokenizer.from_dir(config.model)
         self.eos_token_ids = self.tokenizer.eos_token_ids | self.model_config.eos_token_ids
@@ -55,8 +63,11 @@ class LLMEngine:
             self.kv_cache,
             self.eos_token_ids,
         )
-        self.outputs = OutputProcessor(self.tokenizer)
+        self.text_streams: dict[str, TextStream] = {}
         self.requests: dict[str, Request] = {}
+        self._kv_pulls: list[KVPull] = []
+        self.last_step_idle = True
+        """Whether the last ``step`` found nothing to compute (a driver may then sleep)."""
         self.peak_kv_usage = self.kv_usage()
         self._ids = itertools.count()
 
@@ -68,16 +79,26 @@ class LLMEngine:
         params: SamplingParams | None = None,
         request_id: str | None = None,
         priority: int = 0,
+        output_token_ids: list[int] | None = None,
+        prefill_mode: PrefillMode = PrefillMode.LOCAL,
     ) -> Request:
-        """Validate and queue a request; raises ``ValueError`` naming the bad field."""
+        """Validate and queue a request; raises ``ValueError`` naming the bad field.
+
+        ``output_token_ids``: tokens already generated elsewhere (a prefill worker's first
+        token, or a stream resumed after a worker failure); generation continues after
+        them, and a seeded request continues its random sequence where they left it.
+        """
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
+        params = params or SamplingParams()
         token_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
-        self._validate_prompt(token_ids)
-        request = Request(request_id, token_ids, params or SamplingParams(), priority)
+        outputs = list(output_token_ids or [])
+        self._validate(token_ids, outputs, params, prefill_mode)
+        request = Request(request_id, token_ids, params, priority, prefill_mode, outputs)
         self.requests[request_id] = request
-        self.outputs.add(request)
+        if self.detokenize:
+            self.text_streams[request_id] = TextStream(self.tokenizer, params)
         self.scheduler.add(request)
         return request
 
@@ -87,16 +108,56 @@ class LLMEngine:
         if request is None:
             return False
         self.scheduler.finish(request, FinishReason.ABORT)
-        self.outputs.remove(request_id)
+        self.text_streams.pop(request_id, None)
         return True
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.num_unfinished > 0
 
+    # --- disaggregation ----------------------------------------------------------------
+
+    def take_kv_pulls(self) -> list[KVPull]:
+        """Pulls the caller must now perform (see ``KVPull``), each answered exactly once
+        by ``finish_kv_pull``. Drained by the caller after every ``step``."""
+        pulls, self._kv_pulls = self._kv_pulls, []
+        return pulls
+
+    def finish_kv_pull(self, request_id: str, fill: Callable[[list[int]], None] | None) -> bool:
+        """End a pull: ``fill(block_ids)`` writes the pulled KV into those local blocks
+        (the pull's ``block_ids``) and the request runs; ``fill=None`` means the pull
+        failed and the prompt is computed here. The engine thread owns the KV cache, so
+        this runs on it, and ``fill`` is not called for a request aborted meanwhile
+        (returns ``False``)."""
+        request = self.requests.get(request_id)
+        if request is None or request.status is not RequestStatus.WAITING_FOR_KV:
+            return False
+        if fill is not None:
+            first_block = request.num_cached_tokens // self.runtime.block_size
+            fill(self.kv_cache.block_ids(request)[first_block:])
+        self.scheduler.kv_arrived(request, ok=fill is not None)
+        return True
+
+    def prefilled_block_ids(self, request_id: str) -> list[int] | None:
+        """Blocks holding a ``PREFILLED`` request's prompt KV, in prompt order."""
+        request = self.scheduler.prefilled.get(request_id)
+        return None if request is None else self.kv_cache.block_ids(request)
+
+    def release_prefilled(self, request_id: str) -> bool:
+        """A decode worker has the KV (or gave up): free the blocks, which stay findable
+        in the prefix cache until evicted."""
+        request = self.scheduler.prefilled.get(request_id)
+        if request is None:
+            return False
+        self.scheduler.finish(request, None)
+        del self.requests[request_id]
+        return True
+
     # --- the loop ----------------------------------------------------------------------
 
     def step(self) -> list[RequestDelta]:
         plan = self.scheduler.schedule()
+        self._kv_pulls.extend(plan.kv_pulls)
+        self.last_step_idle = not plan.chunks
         if not plan.chunks:
             return []
         result = self.runner.execute(plan)
@@ -110,23 +171,47 @@ class LLMEngine:
 
     def _emit(self, update: StepUpdate, logprobs: list[TokenLogprobs]) -> RequestDelta:
         request = update.request
-        text = self.outputs.process(request, update.new_token_ids, update.finish_reason is not None)
         reason = update.finish_reason
-        if text.stop_string_hit and reason is None:
-            reason = FinishReason.STOP
-            self.scheduler.finish(request, reason)
+        new_text = ""
+        if self.detokenize:
+            text = self.text_streams[request.request_id].push(
+                update.new_token_ids, finishing=reason is not None
+            )
+            new_text = text.new_text
+            if text.stop_string_hit and reason is None:
+                reason = FinishReason.STOP
+                self.scheduler.finish(request, reason)
+        if reason is not None or update.handed_off:
+            self.text_streams.pop(request.request_id, None)
         if reason is not None:
             self.requests.pop(request.request_id, None)
-            self.outputs.remove(request.request_id)
         return RequestDelta(
             request.request_id,
             update.new_token_ids,
-            text.new_text,
+            new_text,
             reason.value if reason else None,
             logprobs,
+            prefilled=update.handed_off,
+            num_cached_tokens=request.num_cached_tokens,
         )
 
     # --- introspection -----------------------------------------------------------------
+
+    def load(self) -> EngineLoad:
+        s, pool = self.scheduler, self.block_pool
+        queued = sum(max(0, r.num_prompt_tokens - r.num_computed_tokens) for r in s.running)
+        queued += sum(r.num_prompt_tokens for r in s.waiting)
+        return EngineLoad(
+            num_kv_blocks=pool.num_blocks,
+            num_free_blocks=pool.num_free_blocks,
+            num_cached_blocks=pool.num_cached_blocks,
+            num_running=len(s.running),
+            num_waiting=len(s.waiting),
+            num_waiting_for_kv=len(s.waiting_for_kv),
+            num_prefilled=len(s.prefilled),
+            queued_prefill_tokens=queued,
+            num_preemptions=s.num_preemptions,
+        )
 
     def kv_usage(self) -> KVUsage:
         pool = self.block_pool
@@ -143,18 +228,28 @@ class LLMEngine:
         if usage.used_blocks > self.peak_kv_usage.used_blocks:
             self.peak_kv_usage = usage
 
-    def _validate_prompt(self, token_ids: list[int]) -> None:
-        if not token_ids:
+    def _validate(
+        self, prompt: list[int], outputs: list[int], params: SamplingParams, mode: PrefillMode
+    ) -> None:
+        if not prompt:
             raise ValueError("prompt must not be empty")
         vocab = self.model_config.vocab_size
-        bad = [t for t in token_ids if not 0 <= t < vocab]
-        if bad:
-            raise ValueError(
-                f"prompt_token_ids contains {bad[0]}, outside the vocabulary [0, {vocab})"
-            )
+        for name, ids in (("prompt_token_ids", prompt), ("output_token_ids", outputs)):
+            bad = [t for t in ids if not 0 <= t < vocab]
+            if bad:
+                raise ValueError(f"{name} contains {bad[0]}, outside the vocabulary [0, {vocab})")
         limit = self.runtime.max_model_len
-        if len(token_ids) >= limit:
+        if len(prompt) + len(outputs) >= limit:
             raise ValueError(
-                f"prompt has {len(token_ids)} tokens but max_model_len is {limit}; "
+                f"prompt has {len(prompt) + len(outputs)} tokens but max_model_len is {limit}; "
                 "the prompt and at least one output token must fit"
             )
+        if len(outputs) >= params.max_tokens:
+            raise ValueError(
+                f"output_token_ids already holds {len(outputs)} tokens, max_tokens is "
+                f"{params.max_tokens}: nothing left to generate"
+            )
+        if mode is PrefillMode.REMOTE and not outputs:
+            raise ValueError("output_token_ids must hold the prefill's first token")
+        if params.stop and not self.detokenize:
+            raise ValueError("stop strings need an engine that detokenizes (detokenize=True)")

@@ -132,6 +132,15 @@ class ModelRunner:
             meta,
         )
 
+    def _seeded_generator(self, seed: int, num_drawn: int) -> torch.Generator:
+        """A request's generator, advanced past the ``num_drawn`` rows of noise its earlier
+        tokens consumed (made on another worker), so its random sequence continues."""
+        generator = torch.Generator(self.device).manual_seed(seed)
+        vocab = self.model.config.vocab_size
+        for _ in range(num_drawn):
+            torch.empty(vocab, device=self.device).exponential_(generator=generator)
+        return generator
+
     def _sampling_row(self, chunk: ScheduledChunk) -> SamplingRow:
         request = chunk.request
         params = request.sampling_params
@@ -139,7 +148,7 @@ class ModelRunner:
         if params.seed is not None and not params.greedy:
             generator = self._generators.get(request.request_id)
             if generator is None:
-                generator = torch.Generator(self.device).manual_seed(params.seed)
+                generator = self._seeded_generator(params.seed, request.num_output_tokens)
                 self._generators[request.request_id] = generator
         return SamplingRow(
             params=params,

@@ -19,6 +19,11 @@ class RequestDelta:
     finish_reason: str | None
     """``None`` while running; then ``"stop"``, ``"length"`` or ``"abort"``."""
     new_logprobs: list[TokenLogprobs]
+    prefilled: bool = False
+    """``HAND_OFF`` requests: the first token is out and the prompt KV is now held for a
+    decode worker (release it with ``LLMEngine.release_prefilled``)."""
+    num_cached_tokens: int = 0
+    """Prompt tokens this engine did not compute (prefix cache hits, pulled KV)."""
 
     @property
     def finished(self) -> bool:
@@ -61,3 +66,21 @@ class KVUsage:
         """Fraction of allocated slots holding no token (0 when nothing is allocated)."""
         slots = self.used_blocks * self.block_size
         return 1 - self.stored_tokens / slots if slots else 0.0
+
+
+@dataclass(frozen=True)
+class EngineLoad:
+    """A snapshot of how busy an engine is (published by workers, read by the router)."""
+
+    num_kv_blocks: int
+    num_free_blocks: int
+    """Allocatable now: never-used plus evictable cached blocks."""
+    num_cached_blocks: int
+    num_running: int
+    num_waiting: int
+    num_waiting_for_kv: int
+    num_prefilled: int
+    """Requests whose prompt KV is held for a decode worker to pull."""
+    queued_prefill_tokens: int
+    """Prompt tokens admitted or queued but not computed yet."""
+    num_preemptions: int

@@ -22,11 +22,23 @@ class RequestStatus(enum.Enum):
     """Admitted; holds KV blocks and is scheduled every step until it finishes."""
     PREEMPTED = "preempted"
     """Evicted to free blocks; back in the queue and will recompute its KV."""
+    WAITING_FOR_KV = "waiting_for_kv"
+    """Holds blocks for its prompt; their KV is being pulled from a prefill worker."""
+    PREFILLED = "prefilled"
+    """Prompt KV computed and first token sampled here; the blocks stay held for a
+    decode worker to pull until ``release``. Done on this engine."""
     FINISHED = "finished"
 
-    @property
-    def holds_blocks(self) -> bool:
-        return self is RequestStatus.RUNNING
+
+class PrefillMode(enum.Enum):
+    """Which part of a request this engine runs (disaggregated serving splits it)."""
+
+    LOCAL = "local"
+    """Prefill and decode here."""
+    HAND_OFF = "hand_off"
+    """Prefill worker: compute the prompt, sample the first token, then hold the KV."""
+    REMOTE = "remote"
+    """Decode worker: the prompt's KV is pulled from a prefill worker, then decode here."""
 
 
 class FinishReason(enum.Enum):
@@ -47,8 +59,9 @@ class Request:
     sampling_params: SamplingParams
     priority: int = 0
     """Lower runs first; ties go to the earlier arrival."""
-    arrival_time: float = field(default_factory=time.monotonic)
+    prefill_mode: PrefillMode = PrefillMode.LOCAL
     output_token_ids: list[int] = field(default_factory=list)
+    arrival_time: float = field(default_factory=time.monotonic)
     all_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0

@@ -11,6 +11,14 @@ When a running request cannot get a block, the lowest-priority, latest-arrived r
 request is preempted: its blocks are freed and it waits to recompute its KV (its
 prompt *and* the tokens it already produced, so its output continues unchanged).
 
+Disaggregation is two more states, still counted in tokens. A ``REMOTE`` request (decode
+worker) is admitted by allocating blocks for the prompt tokens its local prefix cache
+lacks, then waits (``WAITING_FOR_KV``, no compute budget) until the caller reports the
+pull done; its computed tokens then jump to the prompt length — or stay at the local
+prefix on failure, and the prompt is computed here like any other. A ``HAND_OFF``
+request (prefill worker) stops after its first token and keeps its blocks
+(``PREFILLED``) until released.
+
 Torch-free: the scheduler decides; the model runner executes.
 """
 
@@ -21,7 +29,7 @@ from collections.abc import Collection
 from dataclasses import dataclass, field
 
 from engine.kv_cache_manager import KVCacheManager
-from engine.request import FinishReason, Request, RequestStatus
+from engine.request import FinishReason, PrefillMode, Request, RequestStatus
 from engine.stopping import check_token_stop
 
 
@@ -66,8 +74,21 @@ class ScheduledChunk:
 
 
 @dataclass(frozen=True)
+class KVPull:
+    """Blocks to fill with KV pulled from ``request``'s prefill worker before it can run:
+    ``block_ids`` are local destinations, in prompt order, for the request's blocks
+    ``first_block``, ``first_block + 1``, ... (the ones before came from the local prefix
+    cache). May be empty, when the local cache held the whole prompt."""
+
+    request: Request
+    block_ids: tuple[int, ...]
+    first_block: int
+
+
+@dataclass(frozen=True)
 class SchedulerOutput:
     chunks: tuple[ScheduledChunk, ...]
+    kv_pulls: tuple[KVPull, ...] = ()
     preempted: tuple[Request, ...] = ()
     finished_request_ids: tuple[str, ...] = ()
     """Requests that left since the previous step (the runner drops their state)."""
@@ -84,6 +105,8 @@ class StepUpdate:
     request: Request
     new_token_ids: list[int]
     finish_reason: FinishReason | None
+    handed_off: bool = False
+    """A ``HAND_OFF`` request reached ``PREFILLED``: its KV is held for a decode worker."""
 
 
 @dataclass
@@ -93,6 +116,8 @@ class Scheduler:
     eos_token_ids: Collection[int]
     waiting: list[Request] = field(default_factory=list)
     running: list[Request] = field(default_factory=list)
+    waiting_for_kv: dict[str, Request] = field(default_factory=dict)
+    prefilled: dict[str, Request] = field(default_factory=dict)
     num_preemptions: int = 0
     """Total since start (a metric; the model output never depends on it)."""
     _finished_ids: list[str] = field(default_factory=list)
@@ -103,19 +128,43 @@ class Scheduler:
         request.status = RequestStatus.WAITING
         bisect.insort(self.waiting, request, key=_order)
 
-    def finish(self, request: Request, reason: FinishReason) -> None:
-        """Remove ``request`` wherever it is and free its blocks (abort included)."""
+    def finish(self, request: Request, reason: FinishReason | None) -> None:
+        """Remove ``request`` wherever it is and free its blocks (abort included). A
+        ``PREFILLED`` request is released with ``reason=None``: it has no outcome here."""
         if request.is_finished:
             return
-        queue = self.running if request.status is RequestStatus.RUNNING else self.waiting
-        queue.remove(request)
+        status = request.status
+        if status is RequestStatus.RUNNING:
+            self.running.remove(request)
+        elif status is RequestStatus.WAITING_FOR_KV:
+            del self.waiting_for_kv[request.request_id]
+        elif status is RequestStatus.PREFILLED:
+            del self.prefilled[request.request_id]
+        else:
+            self.waiting.remove(request)
         request.status, request.finish_reason = RequestStatus.FINISHED, reason
         self.kv.forget(request)
         self._finished_ids.append(request.request_id)
 
+    def kv_arrived(self, request: Request, ok: bool) -> None:
+        """The pull for a ``WAITING_FOR_KV`` request ended; on failure its prompt is
+        computed here, after whatever the local prefix cache held."""
+        del self.waiting_for_kv[request.request_id]
+        if ok:
+            request.num_computed_tokens = request.num_prompt_tokens
+            self.kv.publish_full_blocks(request)
+        request.status = RequestStatus.RUNNING
+        bisect.insort(self.running, request, key=_order)
+
     @property
     def num_unfinished(self) -> int:
-        return len(self.waiting) + len(self.running)
+        """Requests still to produce tokens here (held ``PREFILLED`` ones excluded)."""
+        return len(self.waiting) + len(self.running) + len(self.waiting_for_kv)
+
+    @property
+    def num_seqs(self) -> int:
+        """Sequences holding blocks and counted against ``max_num_seqs``."""
+        return len(self.running) + len(self.waiting_for_kv)
 
     # --- one step ----------------------------------------------------------------------
 
@@ -132,10 +181,11 @@ class Scheduler:
             chunks.append(self._chunk(request, num_new))
             budget -= num_new
             i += 1
+        pulls: list[KVPull] = []
         if not preempted:
-            budget = self._admit(budget, chunks)
+            self._admit(budget, chunks, pulls)
         finished, self._finished_ids = tuple(self._finished_ids), []
-        return SchedulerOutput(tuple(chunks), tuple(preempted), finished)
+        return SchedulerOutput(tuple(chunks), tuple(pulls), tuple(preempted), finished)
 
     def update(self, output: SchedulerOutput, sampled: dict[str, list[int]]) -> list[StepUpdate]:
         """Advance computed tokens, append sampled ones, finish what is done."""
@@ -147,6 +197,8 @@ class Scheduler:
             request.num_computed_tokens = chunk.end
             self.kv.publish_full_blocks(request)
             new_tokens = sampled.get(request.request_id, [])
+            if not new_tokens:
+                continue
             reason = None
             for token in new_tokens:
                 request.append_output_token(token)
@@ -154,8 +206,10 @@ class Scheduler:
                 if reason is not None:
                     self.finish(request, reason)
                     break
-            if new_tokens:
-                updates.append(StepUpdate(request, new_tokens, reason))
+            handed_off = reason is None and request.prefill_mode is PrefillMode.HAND_OFF
+            if handed_off:
+                self._hand_off(request)
+            updates.append(StepUpdate(request, new_tokens, reason, handed_off))
         return updates
 
     # --- helpers -----------------------------------------------------------------------
@@ -189,9 +243,20 @@ class Scheduler:
         bisect.insort(self.waiting, request, key=_order)
         request.status = RequestStatus.PREEMPTED
 
-    def _admit(self, budget: int, chunks: list[ScheduledChunk]) -> int:
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+    def _hand_off(self, request: Request) -> None:
+        self.running.remove(request)
+        request.status = RequestStatus.PREFILLED
+        self.prefilled[request.request_id] = request
+
+    def _admit(self, budget: int, chunks: list[ScheduledChunk], pulls: list[KVPull]) -> None:
+        while self.waiting and self.num_seqs < self.config.max_num_seqs:
             request = self.waiting[0]
+            if self._awaits_remote_kv(request):
+                if not self._admit_for_pull(request, pulls):
+                    break
+                continue
+            if budget <= 0:
+                break
             prefix = self.kv.find_cached_prefix(request)
             num_new = request.num_tokens - prefix.num_tokens
             if num_new > budget:
@@ -206,7 +271,23 @@ class Scheduler:
             bisect.insort(self.running, request, key=_order)
             chunks.append(self._chunk(request, num_new))
             budget -= num_new
-        return budget
+
+    @staticmethod
+    def _awaits_remote_kv(request: Request) -> bool:
+        """A ``REMOTE`` request pulls once; after a preemption it recomputes like any other."""
+        return request.prefill_mode is PrefillMode.REMOTE and request.num_preemptions == 0
+
+    def _admit_for_pull(self, request: Request, pulls: list[KVPull]) -> bool:
+        prefix = self.kv.find_cached_prefix(request)
+        if not self.kv.allocate(request, request.num_prompt_tokens - prefix.num_tokens, prefix):
+            return False
+        self.waiting.pop(0)
+        request.num_computed_tokens = request.num_cached_tokens = prefix.num_tokens
+        request.status = RequestStatus.WAITING_FOR_KV
+        self.waiting_for_kv[request.request_id] = request
+        first = len(prefix.blocks)
+        pulls.append(KVPull(request, tuple(self.kv.block_ids(request)[first:]), first))
+        return True
 
 
 def _order(request: Request) -> tuple[int, float]:

@@ -1,4 +1,4 @@
-"""When a request is done: token-level checks (engine core) and stop strings (output side).
+"""When a request is done, at the token level (stop strings live in ``tandem.text_stream``).
 
 Torch-free. The finish reasons match vLLM's strings: ``stop`` for EOS / stop tokens /
 stop strings, ``length`` for ``max_tokens`` or a full context.
@@ -7,7 +7,6 @@ stop strings, ``length`` for ``max_tokens`` or a full context.
 from __future__ import annotations
 
 from collections.abc import Collection
-from dataclasses import dataclass
 
 from engine.request import FinishReason, Request
 
@@ -34,25 +33,3 @@ def banned_tokens(request: Request, eos_token_ids: Collection[int]) -> tuple[int
         return ()
     eos = () if params.ignore_eos else tuple(eos_token_ids)
     return (*eos, *params.stop_token_ids)
-
-
-@dataclass(frozen=True)
-class StopStringMatch:
-    keep_chars: int
-    """How many characters of the text stay (the text is cut there)."""
-
-
-def find_stop_string(
-    text: str, num_new_chars: int, stops: Collection[str], include_stop: bool
-) -> StopStringMatch | None:
-    """Look for a stop string that ends inside the last ``num_new_chars`` characters;
-    the earliest match wins."""
-    if not stops or not num_new_chars:
-        return None
-    longest = max(len(s) for s in stops)
-    window_start = max(0, len(text) - num_new_chars - longest + 1)
-    matches = [(at, stop) for stop in stops if (at := text.find(stop, window_start)) >= 0]
-    if not matches:
-        return None
-    at, stop = min(matches)
-    return StopStringMatch(at + len(stop) if include_stop else at)

@@ -13,7 +13,12 @@ import sys
 from collections.abc import Sequence
 
 # (subcommand module, attribute holding its `add_parser`) — each module imported on demand.
-_SUBCOMMANDS: tuple[str, ...] = ("tandem.make_model_cli",)
+_SUBCOMMANDS: tuple[str, ...] = (
+    "tandem.make_model_cli",
+    "tandem.generate_cli",
+    "tandem.server_cli",
+    "tandem.serve_cli",
+)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -170,14 +170,21 @@ class EmbeddedRedis:
     def _launch(self, data_dir: Path, port: int) -> subprocess.Popen[bytes]:
         args = [
             str(self.binary.path),
-            "--port", str(port),
-            "--bind", _HOST,
-            "--dir", str(data_dir),
-            "--save", "",
-            "--appendonly", "no",
-            "--daemonize", "no",
-            "--logfile", "",
-        ]  # fmt: skip
+            "--port",
+            str(port),
+            "--bind",
+            _HOST,
+            "--dir",
+            str(data_dir),
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+            "--daemonize",
+            "no",
+            "--logfile",
+            "",
+        ]
         log = (data_dir / "redis.log").open("wb")
         with log:  # the child keeps its own descriptor
             try:

@@ -99,7 +99,12 @@ def test_llama_variants_match(variant: dict, reference, prompts) -> None:
 @pytest.mark.parametrize("arch", ["llama", "mistral"])
 def test_reference_backend_matches(arch: str, reference, prompts) -> None:
     model_dir, expected = reference(arch)
-    llm = LLM(model_dir, dtype="float32", num_kv_blocks=256, attention_backend="torch",
-              max_num_batched_tokens=32)  # fmt: skip
+    llm = LLM(
+        model_dir,
+        dtype="float32",
+        num_kv_blocks=256,
+        attention_backend="torch",
+        max_num_batched_tokens=32,
+    )
     assert [o.token_ids for o in llm.generate(prompts, GREEDY)] == expected
     assert_pool_idle(llm)

@@ -215,9 +215,13 @@ def test_greedy_logits_are_well_separated_and_do_not_collapse(
         ids = tok(prompt, return_tensors="pt").input_ids
         with torch.no_grad():
             out = model.generate(
-                ids, max_new_tokens=24, min_new_tokens=24, do_sample=False,
-                output_scores=True, return_dict_in_generate=True,
-            )  # fmt: skip
+                ids,
+                max_new_tokens=24,
+                min_new_tokens=24,
+                do_sample=False,
+                output_scores=True,
+                return_dict_in_generate=True,
+            )
         new = out.sequences[0, ids.shape[1] :].tolist()
         assert len(set(new)) >= 8, f"greedy output collapsed: {new}"
         margins += [(s[0].topk(2).values[0] - s[0].topk(2).values[1]).item() for s in out.scores]

@@ -15,8 +15,12 @@ from tests.hf_reference import random_prompts
 VOCAB = 50
 
 
-def _row(params: SamplingParams, output: list[int] | None = None, prompt: list[int] | None = None,
-         generator: torch.Generator | None = None) -> SamplingRow:  # fmt: skip
+def _row(
+    params: SamplingParams,
+    output: list[int] | None = None,
+    prompt: list[int] | None = None,
+    generator: torch.Generator | None = None,
+) -> SamplingRow:
     return SamplingRow(params, prompt or [], output or [], generator, ())
 
 

@@ -22,6 +22,18 @@ TORCH_FREE_MODULES = [
     "tandem.kv_events",
     "tandem.registry",
     "tandem.cli",
+    "tandem.client",
+    "tandem.generate_cli",
+    "tandem.server_cli",
+    "tandem.serve_cli",
+    "tandem.launcher",
+    "tandem.text_stream",
+    "tandem.wire",
+    "router.policy",
+    "router.validation",
+    "router.orchestrator",
+    "router.service",
+    "router.main",
 ]
 
 

@@ -41,9 +41,15 @@ class SdpaAttention:
             )
         for seq, q_start, q_end, context_start in meta.prefill_spans():
             out[q_start:q_end] = self._prefill(
-                q[q_start:q_end], k[q_start:q_end], v[q_start:q_end],
-                kv_cache, meta, seq, context_start, sliding_window,
-            )  # fmt: skip
+                q[q_start:q_end],
+                k[q_start:q_end],
+                v[q_start:q_end],
+                kv_cache,
+                meta,
+                seq,
+                context_start,
+                sliding_window,
+            )
         return out
 
     def _prefill(

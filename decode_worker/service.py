@@ -1,0 +1,187 @@
+"""``tandem.v1.DecodeWorker``: continue a request from its prefill, stream its tokens.
+
+A request with a KV handle enters the engine as ``REMOTE``: the engine allocates
+blocks for the prompt tokens its prefix cache lacks and asks for a pull; the pull runs
+here, on the event loop, through the ``KVReceiver``; the pulled bytes are written into
+the blocks on the engine thread. Any failure (timeout, dead prefill worker, refused
+lease) falls back to computing the prompt locally, so the stream never breaks. The
+lease is released (or renewed while the request waits for admission) from here too.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+import grpc
+
+from engine.async_engine import AsyncEngine
+from engine.request import PrefillMode
+from engine.scheduler import KVPull
+from kvtransfer.blocks import unpack_blocks
+from kvtransfer.errors import KVPullFailed, LeaseCallFailed
+from kvtransfer.receiver import KVReceiver
+from protos import worker_pb2, worker_pb2_grpc
+from tandem.wire import FINISH_REASON_TO_PROTO, logprobs_to_proto, sampling_from_proto
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _PendingPull:
+    handle: worker_pb2.KVHandle
+    renewer: asyncio.Task[None]
+    started: bool = False
+    source: int = worker_pb2.KV_SOURCE_UNSPECIFIED
+    blocks_pulled: int = 0
+
+
+class DecodeService(worker_pb2_grpc.DecodeWorkerServicer):
+    def __init__(
+        self, engine: AsyncEngine, receiver: KVReceiver, worker_id: str, pull_timeout_s: float
+    ) -> None:
+        self.engine = engine
+        self.receiver = receiver
+        self.worker_id = worker_id
+        self.pull_timeout_s = pull_timeout_s
+        self.num_fallbacks = 0
+        self.num_requests = 0
+        self._pulls: dict[str, _PendingPull] = {}
+        self._background: set[asyncio.Task[None]] = set()
+        self._kv_caches = engine.engine.runner.kv_caches
+
+    async def Decode(
+        self, request: worker_pb2.DecodeRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[worker_pb2.DecodeResponse]:
+        rid = request.request_id
+        self.num_requests += 1
+        try:
+            params = sampling_from_proto(request.sampling)
+        except ValueError as err:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
+        remote = request.HasField("kv")
+        if remote:
+            self._pulls[rid] = _PendingPull(
+                request.kv, asyncio.create_task(self._renew(request.kv))
+            )
+        stream = self.engine.generate(
+            list(request.prompt_token_ids),
+            params,
+            rid,
+            priority=request.priority,
+            output_token_ids=list(request.output_token_ids),
+            prefill_mode=PrefillMode.REMOTE if remote else PrefillMode.LOCAL,
+        )
+        first = True
+        try:
+            async with contextlib.aclosing(stream):
+                async for delta in stream:
+                    response = worker_pb2.DecodeResponse(
+                        token_ids=delta.new_token_ids,
+                        logprobs=logprobs_to_proto(delta.new_logprobs),
+                        finish_reason=FINISH_REASON_TO_PROTO[delta.finish_reason],
+                    )
+                    if first:
+                        self._describe_kv(response, rid, delta.num_cached_tokens)
+                        first = False
+                    yield response
+        except ValueError as err:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
+        finally:
+            self._forget(rid)
+
+    async def Abort(
+        self, request: worker_pb2.AbortRequest, context: grpc.aio.ServicerContext
+    ) -> worker_pb2.AbortResponse:
+        rid = request.request_id
+        return worker_pb2.AbortResponse(
+            found=await self.engine.call(lambda e: e.abort_request(rid))
+        )
+
+    async def GetStatus(
+        self, request: worker_pb2.StatusRequest, context: grpc.aio.ServicerContext
+    ) -> worker_pb2.WorkerStatus:
+        load = self.engine.load
+        return worker_pb2.WorkerStatus(
+            worker_id=self.worker_id,
+            role="decode",
+            num_kv_blocks=load.num_kv_blocks,
+            num_free_kv_blocks=load.num_free_blocks,
+            num_cached_kv_blocks=load.num_cached_blocks,
+            num_running=load.num_running,
+            num_waiting=load.num_waiting + load.num_waiting_for_kv,
+            kv_blocks_received=self.receiver.stats.blocks,
+            num_fallbacks=self.num_fallbacks,
+            num_preemptions=load.num_preemptions,
+            num_requests=self.num_requests,
+        )
+
+    # --- the pull ----------------------------------------------------------------------
+
+    async def pull(self, order: KVPull) -> None:
+        """Called by the engine for each ``REMOTE`` request it admitted; always ends the
+        pull with ``finish_kv_pull``, successful or not."""
+        rid = order.request.request_id
+        pending = self._pulls.get(rid)
+        fill = None
+        if pending is not None:
+            pending.started = True
+            pending.renewer.cancel()
+            fill = await self._fetch(pending, order)
+        await self.engine.call(lambda e: e.finish_kv_pull(rid, fill))
+
+    async def _fetch(self, pending: _PendingPull, order: KVPull):
+        handle = pending.handle
+        indices = list(range(order.first_block, order.first_block + len(order.block_ids)))
+        try:
+            packed = None
+            if indices:
+                packed = await self.receiver.pull(
+                    handle.kv_endpoint, handle.lease_id, indices, self.pull_timeout_s
+                )
+        except KVPullFailed as err:
+            log.warning(
+                "KV pull for %s failed, prefilling locally: %s", order.request.request_id, err
+            )
+            self.num_fallbacks += 1
+            pending.source = worker_pb2.KV_SOURCE_FALLBACK
+            return None
+        finally:
+            self._release_later(handle)
+        pending.source, pending.blocks_pulled = worker_pb2.KV_SOURCE_PULLED, len(indices)
+        if packed is None:
+            return lambda block_ids: None
+        return lambda block_ids: unpack_blocks(self._kv_caches, block_ids, packed)
+
+    async def _renew(self, handle: worker_pb2.KVHandle) -> None:
+        """Keep the lease alive while the request waits here for admission."""
+        while True:
+            await asyncio.sleep(max(handle.lease_ttl_s / 3, 0.05))
+            with contextlib.suppress(LeaseCallFailed):
+                await self.receiver.renew(handle.kv_endpoint, handle.lease_id)
+
+    def _release_later(self, handle: worker_pb2.KVHandle) -> None:
+        async def release() -> None:
+            with contextlib.suppress(LeaseCallFailed):
+                await self.receiver.release(handle.kv_endpoint, handle.lease_id)
+
+        task = asyncio.create_task(release())
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    def _describe_kv(self, response: worker_pb2.DecodeResponse, rid: str, cached: int) -> None:
+        pending = self._pulls.get(rid)
+        response.kv_source = pending.source if pending else worker_pb2.KV_SOURCE_LOCAL_PREFILL
+        response.blocks_pulled = pending.blocks_pulled if pending else 0
+        response.cached_prompt_tokens = cached
+
+    def _forget(self, rid: str) -> None:
+        """The stream ended; a lease never pulled (request aborted first) is released."""
+        pending = self._pulls.pop(rid, None)
+        if pending is not None:
+            pending.renewer.cancel()
+            if not pending.started:
+                self._release_later(pending.handle)

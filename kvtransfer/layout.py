@@ -1,0 +1,94 @@
+"""What both ends of a KV transfer must agree on, and the handshake check of it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+
+from kvtransfer.errors import FieldMismatch, IncompatibleKV
+from protos import PROTOCOL_VERSION, kv_transfer_pb2
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """``torch.float16`` -> ``"float16"``: the spelling used on the wire."""
+    return str(dtype).removeprefix("torch.")
+
+
+@dataclass(frozen=True)
+class KVLayout:
+    """Shape and type of one engine's paged KV cache.
+
+    The engine's cache is one tensor per layer, ``[2 (K, V), num_blocks, block_size,
+    num_kv_heads, head_dim]``; block ids index dim 1. Packed blocks travel as one
+    ``[num_layers, 2, n, block_size, num_kv_heads, head_dim]`` tensor (``WIRE_LAYOUT``).
+    """
+
+    WIRE_LAYOUT: ClassVar[str] = "layer,kv,block,slot,head,dim"
+
+    model: str
+    num_layers: int
+    block_size: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: torch.dtype
+
+    def __post_init__(self) -> None:
+        for name in ("num_layers", "block_size", "num_kv_heads", "head_dim"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"KVLayout.{name} must be positive, got {getattr(self, name)}")
+        if not isinstance(self.dtype, torch.dtype):
+            raise TypeError(f"KVLayout.dtype must be a torch.dtype, got {self.dtype!r}")
+
+    @property
+    def bytes_per_block(self) -> int:
+        """K and V of one block across all layers."""
+        itemsize = torch.empty((), dtype=self.dtype).element_size()
+        per_layer = 2 * self.block_size * self.num_kv_heads * self.head_dim * itemsize
+        return self.num_layers * per_layer
+
+    def cache_shape(self, num_blocks: int) -> tuple[int, ...]:
+        """Shape of one layer's cache tensor holding ``num_blocks`` blocks."""
+        return (2, num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
+
+    def packed_shape(self, num_blocks: int) -> tuple[int, ...]:
+        """Shape of ``num_blocks`` packed blocks (see ``blocks.pack_blocks``)."""
+        return (self.num_layers, *self.cache_shape(num_blocks))
+
+    def to_compat(self) -> kv_transfer_pb2.KVCompat:
+        return kv_transfer_pb2.KVCompat(
+            protocol_version=PROTOCOL_VERSION,
+            model=self.model,
+            dtype=dtype_name(self.dtype),
+            block_size=self.block_size,
+            num_layers=self.num_layers,
+            num_kv_heads=self.num_kv_heads,
+            head_dim=self.head_dim,
+            layout=self.WIRE_LAYOUT,
+        )
+
+
+_CHECKED_FIELDS = (
+    ("protocol version", "protocol_version"),
+    ("model", "model"),
+    ("dtype", "dtype"),
+    ("block size", "block_size"),
+    ("KV layout", "layout"),
+    ("KV heads", "num_kv_heads"),
+    ("head dim", "head_dim"),
+    ("layers", "num_layers"),
+)
+
+
+def check_compatible(local: KVLayout, remote: kv_transfer_pb2.KVCompat) -> None:
+    """Raises ``IncompatibleKV`` naming every field on which ``remote`` differs from
+    ``local`` (protocol version included); returns ``None`` when they match."""
+    mine = local.to_compat()
+    mismatches = [
+        FieldMismatch(label, getattr(mine, attr), getattr(remote, attr))
+        for label, attr in _CHECKED_FIELDS
+        if getattr(mine, attr) != getattr(remote, attr)
+    ]
+    if mismatches:
+        raise IncompatibleKV(mismatches)

@@ -1,0 +1,60 @@
+"""Run one prefill worker process (``tandem prefill-worker``)."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+
+from engine.async_engine import AsyncEngine
+from engine.config import EngineConfig
+from engine.llm_engine import LLMEngine
+from kvtransfer.layout import KVLayout
+from kvtransfer.leases import LeaseTable
+from kvtransfer.sender import KVSender
+from kvtransfer.service import KVTransferServicer
+from prefill_worker.service import PrefillService
+from protos import kv_transfer_pb2, kv_transfer_pb2_grpc, worker_pb2, worker_pb2_grpc
+from tandem.registry import WorkerCapacity, WorkerInfo, WorkerRole
+from tandem.worker_host import WorkerOptions, host_worker
+from tandem.worker_load import worker_load
+
+
+async def run(options: WorkerOptions, stop: asyncio.Event | None = None) -> None:
+    engine = LLMEngine(EngineConfig(model=options.model_dir, **options.engine), detokenize=False)
+    async_engine = AsyncEngine(engine)
+    async_engine.start()
+    layout = KVLayout(model=options.model_name, **dataclasses.asdict(engine.runner.layout))
+    sender = KVSender(layout, engine.runner.kv_caches, options.public_host, 0, options.worker_id)
+    leases = LeaseTable()
+    service = PrefillService(async_engine, leases, sender, options.worker_id, options.lease_ttl_s)
+    kv_service = KVTransferServicer(sender, leases, service.lease_ended)
+    capacity = WorkerCapacity(
+        engine.num_kv_blocks, engine.runtime.block_size, engine.config.max_num_seqs
+    )
+
+    def make_info(address: str) -> WorkerInfo:
+        service.kv_endpoint = address
+        return WorkerInfo(
+            options.worker_id, WorkerRole.PREFILL, address, options.model_name, capacity, address
+        )
+
+    sweeper = asyncio.create_task(service.sweep_expired_leases())
+    try:
+        await host_worker(
+            options,
+            [
+                lambda s: worker_pb2_grpc.add_PrefillWorkerServicer_to_server(service, s),
+                lambda s: kv_transfer_pb2_grpc.add_KVTransferServicer_to_server(kv_service, s),
+            ],
+            [
+                worker_pb2.DESCRIPTOR.services_by_name["PrefillWorker"].full_name,
+                kv_transfer_pb2.DESCRIPTOR.services_by_name["KVTransfer"].full_name,
+            ],
+            make_info,
+            lambda: worker_load(async_engine.load),
+            stop,
+        )
+    finally:
+        sweeper.cancel()
+        await asyncio.to_thread(sender.close)
+        await async_engine.stop()

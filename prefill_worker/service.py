@@ -1,0 +1,147 @@
+"""``tandem.v1.PrefillWorker``: prefill a prompt, sample its first token, lease its KV.
+
+Block ownership: while a lease is live the request's blocks belong to it (the engine
+holds them as ``PREFILLED``; the KV sender only reads them). The lease ends — by the
+decode worker's ``ReleaseLease`` once it has pulled, by ``Abort``, or by expiry — and
+only then are the blocks handed back to the engine's prefix cache. A lease being read
+by a pull ends when that pull finishes (``LeaseTable`` pins), never under it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+
+import grpc
+
+from engine.async_engine import AsyncEngine
+from engine.outputs import RequestDelta
+from engine.request import PrefillMode
+from kvtransfer.leases import EndedLease, LeaseTable
+from kvtransfer.sender import KVSender
+from protos import worker_pb2, worker_pb2_grpc
+from tandem.sampling_params import SamplingParams
+from tandem.wire import FINISH_REASON_TO_PROTO, logprobs_to_proto, sampling_from_proto
+
+log = logging.getLogger(__name__)
+
+LEASE_SWEEP_INTERVAL_S = 0.5
+
+
+class PrefillService(worker_pb2_grpc.PrefillWorkerServicer):
+    def __init__(
+        self,
+        engine: AsyncEngine,
+        leases: LeaseTable,
+        sender: KVSender,
+        worker_id: str,
+        lease_ttl_s: float,
+    ) -> None:
+        self.engine = engine
+        self.leases = leases
+        self.sender = sender
+        self.worker_id = worker_id
+        self.lease_ttl_s = lease_ttl_s
+        self.kv_endpoint = ""
+        """This worker's own address (set once the server is bound)."""
+        self.num_requests = 0
+        self._lease_of: dict[str, str] = {}
+        self._background: set[asyncio.Task[None]] = set()
+
+    async def Prefill(
+        self, request: worker_pb2.PrefillRequest, context: grpc.aio.ServicerContext
+    ) -> worker_pb2.PrefillResponse:
+        self.num_requests += 1
+        try:
+            params = sampling_from_proto(request.sampling)
+            delta = await self._first_delta(request, params)
+        except ValueError as err:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
+        response = worker_pb2.PrefillResponse(
+            first_token_id=delta.new_token_ids[0],
+            finish_reason=FINISH_REASON_TO_PROTO[delta.finish_reason],
+            cached_prompt_tokens=delta.num_cached_tokens,
+        )
+        if delta.new_logprobs:
+            response.first_logprobs.CopyFrom(logprobs_to_proto(delta.new_logprobs)[0])
+        if delta.prefilled:
+            response.kv.CopyFrom(await self._lease(request))
+        return response
+
+    async def Abort(
+        self, request: worker_pb2.AbortRequest, context: grpc.aio.ServicerContext
+    ) -> worker_pb2.AbortResponse:
+        rid = request.request_id
+        lease_id = self._lease_of.get(rid)
+        if lease_id is not None:  # prefilled: end the lease (a pull in progress finishes first)
+            release = self.leases.release(lease_id)
+            if release.ended is not None:
+                self.lease_ended(release.ended)
+            return worker_pb2.AbortResponse(found=release.found)
+        return worker_pb2.AbortResponse(
+            found=await self.engine.call(lambda e: e.abort_request(rid))
+        )
+
+    async def GetStatus(
+        self, request: worker_pb2.StatusRequest, context: grpc.aio.ServicerContext
+    ) -> worker_pb2.WorkerStatus:
+        load = self.engine.load
+        return worker_pb2.WorkerStatus(
+            worker_id=self.worker_id,
+            role="prefill",
+            num_kv_blocks=load.num_kv_blocks,
+            num_free_kv_blocks=load.num_free_blocks,
+            num_cached_kv_blocks=load.num_cached_blocks,
+            num_running=load.num_running,
+            num_waiting=load.num_waiting,
+            num_leases=len(self.leases),
+            kv_blocks_sent=self.sender.blocks_sent,
+            num_preemptions=load.num_preemptions,
+            num_requests=self.num_requests,
+        )
+
+    def lease_ended(self, lease: EndedLease) -> None:
+        """Hand a lease's blocks back to the engine (on the event loop; never blocks)."""
+        self._lease_of.pop(lease.request_id, None)
+        rid = lease.request_id
+        task = asyncio.ensure_future(self.engine.call(lambda e: e.release_prefilled(rid)))
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def sweep_expired_leases(self) -> None:
+        """Background task: free the KV of leases nobody pulled in time."""
+        while True:
+            await asyncio.sleep(LEASE_SWEEP_INTERVAL_S)
+            for lease in self.leases.expired():
+                log.warning("lease of %s expired unpulled", lease.request_id)
+                self.lease_ended(lease)
+
+    async def _first_delta(
+        self, request: worker_pb2.PrefillRequest, params: SamplingParams
+    ) -> RequestDelta:
+        stream = self.engine.generate(
+            list(request.prompt_token_ids),
+            params,
+            request.request_id,
+            priority=request.priority,
+            prefill_mode=PrefillMode.HAND_OFF,
+        )
+        async with contextlib.aclosing(stream):
+            async for delta in stream:
+                return delta
+        raise RuntimeError("the engine ended a prefill without a token")
+
+    async def _lease(self, request: worker_pb2.PrefillRequest) -> worker_pb2.KVHandle:
+        rid = request.request_id
+        block_ids = await self.engine.call(lambda e: e.prefilled_block_ids(rid))
+        lease_id = self.leases.grant(rid, block_ids, self.lease_ttl_s)
+        self._lease_of[rid] = lease_id
+        return worker_pb2.KVHandle(
+            prefill_worker_id=self.worker_id,
+            kv_endpoint=self.kv_endpoint,
+            lease_id=lease_id,
+            num_tokens=len(request.prompt_token_ids),
+            num_blocks=len(block_ids),
+            lease_ttl_s=self.lease_ttl_s,
+        )

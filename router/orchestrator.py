@@ -1,0 +1,263 @@
+"""The request path behind the router: prefill on one worker, decode on another.
+
+``Orchestrator.run`` yields a request's tokens as the workers produce them:
+
+1. A prompt of at least ``disaggregation_min_tokens`` tokens goes to a prefill worker,
+   whose first token is yielded at once (TTFT); a failed prefill worker is retried on
+   another, and with none left the decode worker prefills locally.
+2. A decode worker continues from the first token, pulling the prompt's KV from the
+   prefill worker named in the handle. If it fails mid-stream, the next decode worker
+   gets the prompt plus every token produced so far (no handle: it recomputes them)
+   and the stream continues unbroken.
+3. Whatever ends the request early — client cancel, deadline, a stop string — closes
+   the worker streams, which aborts the request on the workers and frees its blocks;
+   a lease that no decode worker took is released with ``Abort`` on its prefill worker.
+
+Torch-free. The policies decide; this module only dispatches and recovers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field
+
+import grpc
+
+from protos import common_pb2, worker_pb2
+from router.clients import WorkerClients
+from router.policy import RoutingPolicy, RoutingRequest
+from router.validation import ValidatedRequest
+from tandem.registry import RegistryWatcher, WorkerRecord, WorkerRole
+from tandem.wire import FINISH_REASON_FROM_PROTO, sampling_to_proto
+
+log = logging.getLogger(__name__)
+
+# A worker that fails with one of these is gone or broken: try another one.
+RETRYABLE = frozenset(
+    {
+        grpc.StatusCode.UNAVAILABLE,
+        grpc.StatusCode.UNKNOWN,
+        grpc.StatusCode.INTERNAL,
+        grpc.StatusCode.CANCELLED,
+    }
+)
+
+
+class NoWorkerAvailable(Exception):
+    """No live worker can serve the request (maps to ``UNAVAILABLE``)."""
+
+
+@dataclass(frozen=True)
+class OrchestratorConfig:
+    disaggregation_min_tokens: int = 32
+    """Shorter prompts skip the prefill pool: the decode worker prefills them itself."""
+    max_prefill_attempts: int = 2
+    max_decode_attempts: int = 3
+
+
+@dataclass(frozen=True)
+class TokenChunk:
+    token_ids: tuple[int, ...]
+    logprobs: tuple[common_pb2.TokenLogprobs, ...]
+    finish_reason: str | None
+
+
+@dataclass
+class RequestTrace:
+    """What happened to one request: for usage reporting, logs and tests."""
+
+    prefill_worker: str | None = None
+    decode_workers: list[str] = field(default_factory=list)
+    cached_prompt_tokens: int = 0
+    kv_source: int = worker_pb2.KV_SOURCE_UNSPECIFIED
+    blocks_pulled: int = 0
+    first_token_at: float | None = None
+
+
+class Orchestrator:
+    def __init__(
+        self,
+        watcher: RegistryWatcher,
+        clients: WorkerClients,
+        prefill_policy: RoutingPolicy,
+        decode_policy: RoutingPolicy,
+        config: OrchestratorConfig,
+    ) -> None:
+        self.watcher = watcher
+        self.clients = clients
+        self.prefill_policy = prefill_policy
+        self.decode_policy = decode_policy
+        self.config = config
+        self._background: set[asyncio.Future[None]] = set()
+
+    async def run(
+        self, request: ValidatedRequest, trace: RequestTrace, deadline: float | None
+    ) -> AsyncIterator[TokenChunk]:
+        """Yield the request's tokens; ``deadline`` is a ``time.monotonic()`` instant."""
+        routing = RoutingRequest(
+            request.request_id, request.num_prompt_tokens, (), request.priority
+        )
+        produced: list[int] = []
+        handle = None
+        try:
+            if request.num_prompt_tokens >= self.config.disaggregation_min_tokens:
+                prefill = await self._prefill(request, routing, trace, deadline)
+                if prefill is not None:
+                    trace.first_token_at = time.monotonic()
+                    finish = FINISH_REASON_FROM_PROTO[prefill.finish_reason]
+                    first = (prefill.first_logprobs,) if prefill.HasField("first_logprobs") else ()
+                    produced.append(prefill.first_token_id)
+                    handle = prefill.kv if finish is None else None
+                    yield TokenChunk((prefill.first_token_id,), first, finish)
+                    if finish is not None:
+                        return
+            async for chunk in self._decode(request, routing, produced, handle, trace, deadline):
+                yield chunk
+        finally:
+            if handle is not None and not trace.decode_workers:
+                self._release_unused_lease(request.request_id, trace)
+
+    # --- prefill -----------------------------------------------------------------------
+
+    async def _prefill(
+        self,
+        request: ValidatedRequest,
+        routing: RoutingRequest,
+        trace: RequestTrace,
+        deadline: float | None,
+    ) -> worker_pb2.PrefillResponse | None:
+        """The prefill's answer, or ``None`` when no prefill worker could do it."""
+        message = worker_pb2.PrefillRequest(
+            request_id=request.request_id,
+            prompt_token_ids=request.prompt_token_ids,
+            sampling=_worker_sampling(request),
+            priority=request.priority,
+        )
+        tried: set[str] = set()
+        for _ in range(self.config.max_prefill_attempts):
+            worker = self._pick(WorkerRole.PREFILL, self.prefill_policy, routing, tried)
+            if worker is None:
+                return None
+            try:
+                response = await self.clients.prefill(worker).Prefill(
+                    message, timeout=_remaining(deadline)
+                )
+            except grpc.aio.AioRpcError as err:
+                if err.code() not in RETRYABLE:
+                    raise
+                log.warning(
+                    "prefill on %s failed (%s); trying another", worker.info.worker_id, err.code()
+                )
+                tried.add(worker.info.worker_id)
+                continue
+            trace.prefill_worker = worker.info.worker_id
+            trace.cached_prompt_tokens = response.cached_prompt_tokens
+            return response
+        return None
+
+    def _release_unused_lease(self, request_id: str, trace: RequestTrace) -> None:
+        """The request ended before any decode worker took its KV: free it on the prefill
+        worker now rather than at lease expiry. Runs in the background (the caller may be
+        a cancelled task)."""
+        worker = self.watcher.get(trace.prefill_worker or "")
+        if worker is None:
+            return
+        stub = self.clients.prefill(worker)
+
+        async def abort() -> None:
+            with contextlib.suppress(grpc.aio.AioRpcError):
+                await stub.Abort(worker_pb2.AbortRequest(request_id=request_id), timeout=2.0)
+
+        task = asyncio.ensure_future(abort())
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    # --- decode ------------------------------------------------------------------------
+
+    async def _decode(
+        self,
+        request: ValidatedRequest,
+        routing: RoutingRequest,
+        produced: list[int],
+        handle: worker_pb2.KVHandle | None,
+        trace: RequestTrace,
+        deadline: float | None,
+    ) -> AsyncIterator[TokenChunk]:
+        tried: set[str] = set()
+        for _ in range(self.config.max_decode_attempts):
+            worker = self._pick(WorkerRole.DECODE, self.decode_policy, routing, tried)
+            if worker is None:
+                break
+            trace.decode_workers.append(worker.info.worker_id)
+            message = worker_pb2.DecodeRequest(
+                request_id=request.request_id,
+                prompt_token_ids=request.prompt_token_ids,
+                output_token_ids=produced,
+                sampling=_worker_sampling(request),
+                priority=request.priority,
+                kv=handle,
+            )
+            call = self.clients.decode(worker).Decode(message, timeout=_remaining(deadline))
+            try:
+                async for response in call:
+                    self._note_kv(response, trace)
+                    produced.extend(response.token_ids)
+                    finish = FINISH_REASON_FROM_PROTO[response.finish_reason]
+                    if trace.first_token_at is None and response.token_ids:
+                        trace.first_token_at = time.monotonic()
+                    yield TokenChunk(tuple(response.token_ids), tuple(response.logprobs), finish)
+                    if finish is not None:
+                        return
+            except grpc.aio.AioRpcError as err:
+                if err.code() not in RETRYABLE:
+                    raise
+                log.warning(
+                    "decode on %s failed (%s); continuing elsewhere",
+                    worker.info.worker_id,
+                    err.code(),
+                )
+            finally:
+                call.cancel()
+            tried.add(worker.info.worker_id)
+            handle = None  # the next worker recomputes prompt + produced tokens itself
+        raise NoWorkerAvailable("no decode worker is available for this model")
+
+    def _note_kv(self, response: worker_pb2.DecodeResponse, trace: RequestTrace) -> None:
+        if response.kv_source != worker_pb2.KV_SOURCE_UNSPECIFIED:
+            trace.kv_source = response.kv_source
+            trace.blocks_pulled = response.blocks_pulled
+            if trace.prefill_worker is None:
+                trace.cached_prompt_tokens = response.cached_prompt_tokens
+
+    def _pick(
+        self,
+        role: WorkerRole,
+        policy: RoutingPolicy,
+        routing: RoutingRequest,
+        exclude: set[str],
+    ) -> WorkerRecord | None:
+        candidates: Sequence[WorkerRecord] = [
+            w for w in self.watcher.workers(role) if w.info.worker_id not in exclude
+        ]
+        choice = policy.select(routing, candidates)
+        if choice is not None:
+            policy.record(routing, choice)
+        return choice
+
+
+def _worker_sampling(request: ValidatedRequest) -> common_pb2.SamplingParams:
+    """Workers handle token-level stops; stop strings are cut by the router's text stream."""
+    msg = sampling_to_proto(request.sampling)
+    del msg.stop[:]
+    msg.include_stop_str_in_output = False
+    return msg
+
+
+def _remaining(deadline: float | None) -> float | None:
+    if deadline is None:
+        return None
+    return max(0.001, deadline - time.monotonic())

@@ -1,0 +1,114 @@
+"""``tandem.v1.Generation``: the public API.
+
+Per request: validate (``INVALID_ARGUMENT``), take an admission slot
+(``RESOURCE_EXHAUSTED`` beyond ``max_pending_requests``), stream the orchestrator's
+tokens through the request's text stream (detokenization and stop strings happen here,
+so workers stay token-in/token-out), and finish with usage. The client's deadline
+bounds every worker call; a cancelled client closes the worker streams.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from collections.abc import AsyncIterator
+
+import grpc
+
+from protos import generation_pb2, generation_pb2_grpc
+from router.orchestrator import NoWorkerAvailable, Orchestrator, RequestTrace
+from router.validation import InvalidRequest, RequestValidator, ValidatedRequest
+from tandem.registry import WorkerRole
+from tandem.text_stream import TextStream
+from tandem.tokenizer import Tokenizer
+from tandem.wire import FINISH_REASON_TO_PROTO
+
+log = logging.getLogger(__name__)
+
+
+class GenerationService(generation_pb2_grpc.GenerationServicer):
+    def __init__(
+        self,
+        validator: RequestValidator,
+        tokenizer: Tokenizer,
+        orchestrator: Orchestrator,
+        max_pending_requests: int,
+    ) -> None:
+        self.validator = validator
+        self.tokenizer = tokenizer
+        self.orchestrator = orchestrator
+        self.max_pending_requests = max_pending_requests
+        self.num_pending = 0
+
+    async def Generate(
+        self, request: generation_pb2.GenerateRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[generation_pb2.GenerateResponse]:
+        try:
+            validated = self.validator.validate(request)
+        except InvalidRequest as err:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
+        if self.num_pending >= self.max_pending_requests:
+            await context.abort(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"the router is at its limit of {self.max_pending_requests} requests in "
+                "flight; retry later",
+            )
+        self.num_pending += 1
+        try:
+            async for response in self._stream(validated, context):
+                yield response
+        finally:
+            self.num_pending -= 1
+
+    async def ListModels(
+        self, request: generation_pb2.ListModelsRequest, context: grpc.aio.ServicerContext
+    ) -> generation_pb2.ListModelsResponse:
+        watcher = self.orchestrator.watcher
+        model = generation_pb2.ModelInfo(
+            name=self.validator.model_name,
+            max_model_len=self.validator.max_model_len,
+            vocab_size=self.validator.vocab_size,
+            num_prefill_workers=len(watcher.workers(WorkerRole.PREFILL)),
+            num_decode_workers=len(watcher.workers(WorkerRole.DECODE)),
+        )
+        return generation_pb2.ListModelsResponse(models=[model])
+
+    async def _stream(
+        self, request: ValidatedRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[generation_pb2.GenerateResponse]:
+        remaining = context.time_remaining()
+        deadline = None if remaining is None else time.monotonic() + remaining
+        trace = RequestTrace()
+        text = TextStream(self.tokenizer, request.sampling)
+        num_tokens = 0
+        chunks = self.orchestrator.run(request, trace, deadline)
+        try:
+            async with contextlib.aclosing(chunks):
+                async for chunk in chunks:
+                    num_tokens += len(chunk.token_ids)
+                    update = text.push(
+                        list(chunk.token_ids), finishing=chunk.finish_reason is not None
+                    )
+                    finish = "stop" if update.stop_string_hit else chunk.finish_reason
+                    response = generation_pb2.GenerateResponse(
+                        request_id=request.request_id,
+                        token_ids=chunk.token_ids,
+                        text=update.new_text,
+                        finish_reason=FINISH_REASON_TO_PROTO[finish],
+                        logprobs=chunk.logprobs,
+                    )
+                    if finish is not None:
+                        response.usage.prompt_tokens = request.num_prompt_tokens
+                        response.usage.completion_tokens = num_tokens
+                        response.usage.cached_prompt_tokens = trace.cached_prompt_tokens
+                    yield response
+                    if finish is not None:
+                        return
+        except NoWorkerAvailable as err:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(err))
+        except grpc.aio.AioRpcError as err:
+            code = err.code()
+            if code is grpc.StatusCode.DEADLINE_EXCEEDED:
+                await context.abort(code, "the request's deadline passed before it finished")
+            await context.abort(code, f"worker error: {err.details()}")

@@ -1,0 +1,205 @@
+"""From a public ``GenerateRequest`` to a validated, tokenized ``ValidatedRequest``.
+
+Everything a client can get wrong is caught here, before any worker sees the request,
+and reported as one ``InvalidRequest`` naming the field at fault (the router maps it
+to ``INVALID_ARGUMENT``). Torch-free: only the checkpoint's tokenizer and config.
+
+Inputs: a text ``prompt`` is encoded with the tokenizer's special tokens (e.g. BOS);
+``chat`` messages are rendered with the checkpoint's chat template, which inserts BOS
+itself, so the rendering is encoded without adding special tokens again; ``token_ids``
+are taken as they are, checked against the model's vocabulary.
+
+Sampling: ``tandem.wire`` maps the wire's ``SamplingParams`` onto tandem's (the same
+mapping every hop uses; ``tandem.wire.sampling_to_proto`` is its inverse, exact since
+the floats are doubles); this module adds the checks and the field-naming errors.
+"""
+
+from __future__ import annotations
+
+import math
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from protos import common_pb2, generation_pb2
+from tandem.model_config import ModelConfig
+from tandem.sampling_params import SamplingParams
+from tandem.tokenizer import ChatTemplateError, Tokenizer
+from tandem.wire import sampling_from_proto
+
+# Checked for NaN and infinity, which SamplingParams' range checks let through.
+_FLOAT_FIELDS = tuple(
+    field.name
+    for field in common_pb2.SamplingParams.DESCRIPTOR.fields
+    if field.type in (field.TYPE_DOUBLE, field.TYPE_FLOAT)
+)
+
+
+class InvalidRequest(ValueError):
+    """A request the router refuses; ``str(err)`` is the message for the client.
+
+    ``field`` names the request field at fault (``"prompt"``, ``"sampling.top_p"``...),
+    and the message starts with it.
+    """
+
+    def __init__(self, field: str, problem: str):
+        super().__init__(f"{field} {problem}")
+        self.field = field
+        self.problem = problem
+
+
+@dataclass(frozen=True)
+class ValidatedRequest:
+    """A request that passed every check, in the router's own types.
+
+    ``prompt_text`` is the text prompt, or the chat as rendered by the template;
+    ``None`` for a token-id prompt. ``prompt_token_ids`` is never empty and fits the
+    model's context with room for at least one generated token.
+    """
+
+    request_id: str
+    prompt_token_ids: tuple[int, ...]
+    sampling: SamplingParams
+    priority: int
+    prompt_text: str | None
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+
+class RequestValidator:
+    """Validates requests for one served model; built once at router start-up.
+
+    ``max_model_len`` (prompt plus output) defaults to the checkpoint's
+    ``max_position_embeddings`` and may not exceed it. Stateless after construction,
+    so one instance serves all requests concurrently.
+    """
+
+    def __init__(
+        self,
+        model_name: str,
+        tokenizer: Tokenizer,
+        config: ModelConfig,
+        max_model_len: int | None = None,
+    ):
+        limit = config.max_position_embeddings
+        if max_model_len is None:
+            max_model_len = limit
+        if not 2 <= max_model_len <= limit:
+            raise ValueError(f"max_model_len must be in [2, {limit}], got {max_model_len}")
+        self.model_name = model_name
+        self.max_model_len = max_model_len
+        self.vocab_size = config.vocab_size
+        self._tokenizer = tokenizer
+
+    @classmethod
+    def from_dir(
+        cls, model_dir: str | Path, model_name: str, max_model_len: int | None = None
+    ) -> RequestValidator:
+        """Read the tokenizer and config from a HF checkpoint directory."""
+        config = ModelConfig.from_dir(model_dir)
+        return cls(model_name, Tokenizer.from_dir(model_dir), config, max_model_len)
+
+    @property
+    def max_prompt_tokens(self) -> int:
+        """The longest prompt accepted: one position is left for the first output token."""
+        return self.max_model_len - 1
+
+    def validate(self, request: generation_pb2.GenerateRequest) -> ValidatedRequest:
+        """The validated request; raises ``InvalidRequest`` on the first problem found."""
+        if request.model and request.model != self.model_name:
+            raise InvalidRequest(
+                "model",
+                f"{request.model!r} is not served here (this router serves "
+                f"{self.model_name!r}); leave it empty or name the served model",
+            )
+        sampling = validate_sampling(request.sampling)
+        self._check_token_ids("sampling.stop_token_ids", sampling.stop_token_ids)
+        field, text, token_ids = self._prompt(request)
+        self._check_length(field, len(token_ids))
+        return ValidatedRequest(
+            request_id=request.request_id or uuid.uuid4().hex,
+            prompt_token_ids=tuple(token_ids),
+            sampling=sampling,
+            priority=request.priority,
+            prompt_text=text,
+        )
+
+    def _prompt(
+        self, request: generation_pb2.GenerateRequest
+    ) -> tuple[str, str | None, Sequence[int]]:
+        """(field name, prompt text or None, token ids) of the request's input."""
+        match request.WhichOneof("input"):
+            case "prompt":
+                if not request.prompt:
+                    raise InvalidRequest("prompt", "must not be empty")
+                return "prompt", request.prompt, self._tokenizer.encode(request.prompt)
+            case "token_ids":
+                ids = request.token_ids.ids
+                if not ids:
+                    raise InvalidRequest("token_ids", "must not be empty")
+                self._check_token_ids("token_ids", ids)
+                return "token_ids", None, ids
+            case "chat":
+                text = self._render_chat(request.chat)
+                return "chat", text, self._tokenizer.encode(text, add_special_tokens=False)
+        raise InvalidRequest("input", "is not set: send one of prompt, token_ids or chat")
+
+    def _render_chat(self, chat: generation_pb2.ChatMessages) -> str:
+        if not chat.messages:
+            raise InvalidRequest("chat.messages", "must not be empty")
+        if not self._tokenizer.has_chat_template:
+            raise InvalidRequest(
+                "chat",
+                "is not supported: this model's checkpoint has no chat template; "
+                "send a text prompt instead",
+            )
+        add_generation_prompt = (
+            chat.add_generation_prompt if chat.HasField("add_generation_prompt") else True
+        )
+        messages = [(m.role, m.content) for m in chat.messages]
+        try:
+            return self._tokenizer.apply_chat_template(messages, add_generation_prompt)
+        except ChatTemplateError as err:
+            raise InvalidRequest("chat.messages", f"were rejected: {err}") from err
+
+    def _check_token_ids(self, field: str, ids: Sequence[int]) -> None:
+        if not ids or max(ids) < self.vocab_size:  # the common case, without a Python loop
+            return
+        for i, token_id in enumerate(ids):
+            if token_id >= self.vocab_size:
+                raise InvalidRequest(
+                    f"{field}[{i}]",
+                    f"= {token_id} is out of range: this model's "
+                    f"vocabulary has ids 0..{self.vocab_size - 1}",
+                )
+
+    def _check_length(self, field: str, num_tokens: int) -> None:
+        if num_tokens == 0:
+            raise InvalidRequest(field, "encodes to no tokens")
+        if num_tokens > self.max_prompt_tokens:
+            raise InvalidRequest(
+                field,
+                f"is {num_tokens} tokens long, more than the {self.max_prompt_tokens} "
+                f"this model accepts (max_model_len {self.max_model_len}, less one position "
+                "for the first generated token)",
+            )
+
+
+def validate_sampling(proto: common_pb2.SamplingParams) -> SamplingParams:
+    """Tandem's ``SamplingParams`` for a wire message (``tandem.wire`` does the mapping:
+    unset optional fields take the tandem defaults, ``top_k`` unset means no top-k).
+
+    Raises ``InvalidRequest`` (field ``sampling.<name>``) for a float that is not
+    finite, and where ``SamplingParams`` rejects a value, with its message.
+    """
+    for name in _FLOAT_FIELDS:
+        if not math.isfinite(value := getattr(proto, name)):
+            raise InvalidRequest(f"sampling.{name}", f"must be a finite number, got {value}")
+    try:
+        return sampling_from_proto(proto)
+    except ValueError as err:  # SamplingParams' message starts with the field's name
+        name, _, problem = str(err).partition(" ")
+        raise InvalidRequest(f"sampling.{name}", problem) from err

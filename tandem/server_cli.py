@@ -1,0 +1,150 @@
+"""``tandem router``, ``tandem prefill-worker``, ``tandem decode-worker``: one component
+per process, as a Kubernetes pod runs them. Argument parsing is torch-free; the
+component's module is imported only when it runs."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import uuid
+from pathlib import Path
+
+# EngineConfig fields a worker exposes as flags: (flag, type, help).
+ENGINE_FLAGS: tuple[tuple[str, type, str], ...] = (
+    ("dtype", str, "float32, bfloat16, float16 or auto (the checkpoint's)"),
+    ("device", str, "cpu, cuda, cuda:N or auto"),
+    ("block-size", int, "tokens per KV block (default 16; 256 with flash-attn)"),
+    ("num-kv-blocks", int, "exact KV pool size in blocks"),
+    ("kv-cache-memory-gb", float, "KV pool budget (default 4 GiB on CPU)"),
+    ("max-num-seqs", int, "most sequences batched per step"),
+    ("max-num-batched-tokens", int, "token budget per step"),
+    ("max-model-len", int, "longest prompt + output"),
+    ("attention-backend", str, "torch, sdpa or flash (default: best available)"),
+    ("num-threads", int, "torch threads on CPU"),
+    ("seed", int, "seed for unseeded random sampling"),
+)
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    router = subparsers.add_parser("router", help="run the gRPC router")
+    _add_common(router)
+    router.add_argument("--port", type=int, default=50051)
+    router.add_argument("--prefill-policy", default="least_loaded", choices=_policy_names())
+    router.add_argument("--decode-policy", default="least_loaded", choices=_policy_names())
+    router.add_argument(
+        "--disaggregation-min-tokens",
+        type=int,
+        default=32,
+        help="shorter prompts are prefilled by the decode worker itself",
+    )
+    router.add_argument("--max-pending-requests", type=int, default=1024)
+    router.add_argument("--max-model-len", type=int)
+    router.set_defaults(run=_run_router)
+    for role in ("prefill", "decode"):
+        worker = subparsers.add_parser(f"{role}-worker", help=f"run one {role} worker")
+        _add_common(worker)
+        worker.add_argument("--port", type=int, default=0, help="0 picks a free port")
+        worker.add_argument("--worker-id", help="default: <role>-<random>")
+        worker.add_argument("--advertise-host", help="host others use to reach this worker")
+        worker.add_argument(
+            "--lease-ttl",
+            type=float,
+            default=30.0,
+            help="seconds a prefilled KV waits to be pulled",
+        )
+        worker.add_argument("--kv-pull-timeout", type=float, default=10.0)
+        worker.add_argument(
+            "--registry-ttl",
+            type=float,
+            default=3.0,
+            help="seconds the registry keeps this worker after its last heartbeat",
+        )
+        worker.add_argument("--heartbeat-interval", type=float, default=1.0)
+        for flag, kind, text in ENGINE_FLAGS:
+            worker.add_argument(f"--{flag}", type=kind, help=text)
+        worker.set_defaults(run=_run_worker, role=role)
+
+
+def _add_common(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", required=True, help="HuggingFace checkpoint directory")
+    parser.add_argument("--model-name", help="served model name (default: directory name)")
+    parser.add_argument(
+        "--redis-url",
+        default=os.environ.get("TANDEM_REDIS_URL"),
+        help="worker registry (default $TANDEM_REDIS_URL)",
+    )
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--log-level", default="INFO")
+
+
+def _policy_names() -> list[str]:
+    return ["round_robin", "least_loaded"]
+
+
+def _model_name(args: argparse.Namespace) -> str:
+    return args.model_name or Path(args.model).resolve().name
+
+
+def _check_redis(args: argparse.Namespace) -> None:
+    if not args.redis_url:
+        raise SystemExit(
+            "error: --redis-url is required (or run the whole cluster with `tandem serve`)"
+        )
+
+
+def _run_router(args: argparse.Namespace) -> int:
+    from router.main import RouterOptions, run
+    from router.policy import PolicyName
+
+    _check_redis(args)
+    logging.basicConfig(level=args.log_level)
+    options = RouterOptions(
+        model_dir=args.model,
+        model_name=_model_name(args),
+        redis_url=args.redis_url,
+        host=args.host,
+        port=args.port,
+        prefill_policy=PolicyName(args.prefill_policy),
+        decode_policy=PolicyName(args.decode_policy),
+        disaggregation_min_tokens=args.disaggregation_min_tokens,
+        max_pending_requests=args.max_pending_requests,
+        max_model_len=args.max_model_len,
+    )
+    asyncio.run(run(options))
+    return 0
+
+
+def _run_worker(args: argparse.Namespace) -> int:
+    from tandem.registry import WorkerRole
+    from tandem.worker_host import WorkerOptions
+
+    _check_redis(args)
+    logging.basicConfig(level=args.log_level)
+    engine = {
+        flag.replace("-", "_"): getattr(args, flag.replace("-", "_"))
+        for flag, _, _ in ENGINE_FLAGS
+        if getattr(args, flag.replace("-", "_")) is not None
+    }
+    options = WorkerOptions(
+        role=WorkerRole(args.role),
+        model_dir=args.model,
+        model_name=_model_name(args),
+        worker_id=args.worker_id or f"{args.role}-{uuid.uuid4().hex[:8]}",
+        redis_url=args.redis_url,
+        host=args.host,
+        port=args.port,
+        advertise_host=args.advertise_host,
+        engine=engine,
+        lease_ttl_s=args.lease_ttl,
+        kv_pull_timeout_s=args.kv_pull_timeout,
+        registry_ttl_s=args.registry_ttl,
+        heartbeat_interval_s=args.heartbeat_interval,
+    )
+    if args.role == "prefill":
+        from prefill_worker.main import run
+    else:
+        from decode_worker.main import run
+    asyncio.run(run(options))
+    return 0

@@ -1,0 +1,75 @@
+"""Conversions between the wire types in ``protos/`` and Tandem's own types.
+
+Torch-free; used by the router and both workers, so a field means the same thing at
+every hop. Proto3 optional fields that are unset take ``SamplingParams``' defaults.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Protocol
+
+from protos import common_pb2
+from tandem.sampling_params import SamplingParams
+
+_OPTIONAL_FIELDS = (
+    "max_tokens",
+    "temperature",
+    "top_k",
+    "top_p",
+    "repetition_penalty",
+    "seed",
+    "logprobs",
+    "skip_special_tokens",
+)
+_PLAIN_FIELDS = (
+    "min_tokens",
+    "min_p",
+    "presence_penalty",
+    "frequency_penalty",
+    "ignore_eos",
+    "include_stop_str_in_output",
+)
+
+FINISH_REASON_TO_PROTO = {
+    None: common_pb2.FINISH_REASON_UNSPECIFIED,
+    "stop": common_pb2.FINISH_REASON_STOP,
+    "length": common_pb2.FINISH_REASON_LENGTH,
+    "abort": common_pb2.FINISH_REASON_ABORT,
+}
+FINISH_REASON_FROM_PROTO = {v: k for k, v in FINISH_REASON_TO_PROTO.items()}
+
+
+def sampling_from_proto(msg: common_pb2.SamplingParams) -> SamplingParams:
+    """Raises ``ValueError`` (message starts with the field name) for invalid values."""
+    kwargs: dict[str, object] = {f: getattr(msg, f) for f in _PLAIN_FIELDS}
+    kwargs.update({f: getattr(msg, f) for f in _OPTIONAL_FIELDS if msg.HasField(f)})
+    return SamplingParams(stop=tuple(msg.stop), stop_token_ids=tuple(msg.stop_token_ids), **kwargs)
+
+
+def sampling_to_proto(params: SamplingParams) -> common_pb2.SamplingParams:
+    msg = common_pb2.SamplingParams(
+        stop=list(params.stop), stop_token_ids=list(params.stop_token_ids)
+    )
+    for name in _PLAIN_FIELDS:
+        setattr(msg, name, getattr(params, name))
+    for name in _OPTIONAL_FIELDS:
+        value = getattr(params, name)
+        if value is not None:
+            setattr(msg, name, value)
+    return msg
+
+
+class LogprobsLike(Protocol):
+    token_logprob: float
+    top: tuple[tuple[int, float], ...]
+
+
+def logprobs_to_proto(items: Sequence[LogprobsLike]) -> list[common_pb2.TokenLogprobs]:
+    return [
+        common_pb2.TokenLogprobs(
+            logprob=lp.token_logprob,
+            top=[common_pb2.TokenLogprob(token_id=t, logprob=v) for t, v in lp.top],
+        )
+        for lp in items
+    ]

@@ -1,0 +1,67 @@
+"""Helpers for end-to-end tests against a real local cluster (real processes, sockets,
+Redis)."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import grpc
+
+from protos import common_pb2, worker_pb2, worker_pb2_grpc
+from tandem.client import AsyncGenerationClient, build_request
+from tandem.launcher import LocalCluster
+from tandem.wire import FINISH_REASON_FROM_PROTO
+
+
+@dataclass(frozen=True)
+class Completion:
+    token_ids: list[int]
+    text: str
+    finish_reason: str | None
+    cached_prompt_tokens: int
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+async def complete_all(
+    address: str,
+    prompts: Sequence[Sequence[int] | str],
+    sampling: common_pb2.SamplingParams,
+    timeout_s: float = 120,
+) -> list[Completion]:
+    """Send every prompt at once and gather the full streams."""
+    async with AsyncGenerationClient(address) as client:
+        return list(
+            await asyncio.gather(*(_collect(client, p, sampling, timeout_s) for p in prompts))
+        )
+
+
+async def _collect(client, prompt, sampling, timeout_s) -> Completion:
+    tokens, text, finish, cached = [], "", None, 0
+    async for response in client.generate(build_request(prompt, sampling), timeout_s=timeout_s):
+        tokens += response.token_ids
+        text += response.text
+        if response.finish_reason:
+            finish = FINISH_REASON_FROM_PROTO[response.finish_reason]
+            cached = response.usage.cached_prompt_tokens
+    return Completion(tokens, text, finish, cached)
+
+
+def worker_status(cluster: LocalCluster, name: str) -> worker_pb2.WorkerStatus:
+    """``GetStatus`` of worker ``name`` (address from its READY line)."""
+    address = cluster.children[name].ready_line.split()[-1]
+    with grpc.insecure_channel(address) as channel:
+        role = name.split("-")[0]
+        stub = (
+            worker_pb2_grpc.PrefillWorkerStub
+            if role == "prefill"
+            else worker_pb2_grpc.DecodeWorkerStub
+        )(channel)
+        return stub.GetStatus(worker_pb2.StatusRequest(), timeout=10)
