@@ -122,7 +122,8 @@ class AsyncEngine:
 
     def _run(self) -> None:
         while not self._stopping.is_set():
-            if self._drain_commands(block=self.engine.last_step_idle):
+            nothing_to_do = self.engine.last_step_idle or not self.engine.has_unfinished_requests()
+            if self._drain_commands(block=nothing_to_do):
                 self._load = self.engine.load()
             if not self.engine.has_unfinished_requests():
                 continue
