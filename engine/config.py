@@ -9,6 +9,7 @@ import torch
 
 from engine.attention.base import AttentionBackendKind, select_backend_kind
 from engine.attention.flash import FLASH_BLOCK_SIZE_MULTIPLE
+from engine.layers.linear import LinearBackend, select_linear_backend
 from tandem.model_config import ModelConfig
 
 DEFAULT_BLOCK_SIZE = 16
@@ -40,6 +41,8 @@ class EngineConfig:
     enable_chunked_prefill: bool = True
     attention_backend: str | None = None
     """``torch``, ``sdpa``, ``flash`` or ``None`` (flash on CUDA when importable, else sdpa)."""
+    linear_backend: str | None = None
+    """``torch`` or ``onednn`` (pre-packed weights, CPU) or ``None`` (onednn where it works)."""
     num_threads: int | None = None
     """Torch intra-op threads on CPU; ``None`` leaves torch's default."""
     seed: int = 0
@@ -47,6 +50,12 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.dtype != "auto" and self.dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of auto, {', '.join(_DTYPES)}; got {self.dtype!r}")
+        if self.linear_backend is not None:
+            valid = [k.value for k in LinearBackend]
+            if self.linear_backend not in valid:
+                raise ValueError(
+                    f"linear_backend must be one of {valid}, got {self.linear_backend!r}"
+                )
         if self.attention_backend is not None:
             valid = [k.value for k in AttentionBackendKind]
             if self.attention_backend not in valid:
@@ -70,6 +79,7 @@ class EngineRuntime:
     device: torch.device
     dtype: torch.dtype
     backend: AttentionBackendKind
+    linear_backend: LinearBackend
     block_size: int
     max_model_len: int
 
@@ -92,7 +102,9 @@ def resolve_runtime(config: EngineConfig, model: ModelConfig) -> EngineRuntime:
         )
     if config.num_threads is not None and device.type == "cpu":
         torch.set_num_threads(config.num_threads)
-    return EngineRuntime(device, dtype, backend, block_size, max_model_len)
+    requested_linear = LinearBackend(config.linear_backend) if config.linear_backend else None
+    linear = select_linear_backend(requested_linear, device, dtype)
+    return EngineRuntime(device, dtype, backend, linear, block_size, max_model_len)
 
 
 def _device(name: str) -> torch.device:

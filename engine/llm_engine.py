@@ -47,7 +47,14 @@ class LLMEngine:
         mc, rt = self.model_config, self.runtime
         layout = KVCacheLayout(rt.block_size, mc.num_layers, mc.num_kv_heads, mc.head_dim, rt.dtype)
         self.runner = ModelRunner(
-            config.model, mc, layout, rt.backend, rt.device, self.eos_token_ids, config.seed
+            config.model,
+            mc,
+            layout,
+            rt.backend,
+            rt.linear_backend,
+            rt.device,
+            self.eos_token_ids,
+            config.seed,
         )
         self.num_kv_blocks = num_kv_blocks(config, rt, layout.bytes_per_block)
         self.runner.allocate_kv_cache(self.num_kv_blocks)

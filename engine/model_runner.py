@@ -15,6 +15,7 @@ import torch
 
 from engine.attention.base import AttentionBackendKind, make_backend
 from engine.attention.metadata import AttentionMetadata
+from engine.layers.linear import LinearBackend, pack_linear_layers
 from engine.loader import load_model
 from engine.sampler import Sampler, SamplingRow, TokenLogprobs
 from engine.scheduler import ScheduledChunk, SchedulerOutput
@@ -55,6 +56,7 @@ class ModelRunner:
         model_config: ModelConfig,
         layout: KVCacheLayout,
         backend: AttentionBackendKind,
+        linear_backend: LinearBackend,
         device: torch.device,
         eos_token_ids: Collection[int],
         seed: int,
@@ -63,6 +65,8 @@ class ModelRunner:
         self.layout = layout
         self.eos_token_ids = eos_token_ids
         self.model = load_model(model_dir, model_config, layout.dtype, device)
+        if linear_backend is LinearBackend.ONEDNN:
+            pack_linear_layers(self.model)
         self.kv_caches: list[torch.Tensor] = []
         self.backend = make_backend(backend, model_config.head_dim**-0.5, layout.block_size)
         self.sampler = Sampler(device, seed)

@@ -1,0 +1,98 @@
+"""How linear layers multiply, chosen once at start-up.
+
+On CPU, ``F.linear`` goes through the BLAS torch was built with, which on some CPUs (AMD
+parts with MKL, notably) runs far below the machine's peak. oneDNN with the weight
+reordered once into its blocked layout ("pre-packed") does much better: measured on the
+2-core AMD EPYC used for development, the 12 decoder layers of a 110M Llama took 6.0 ms
+instead of 22 ms at batch 1 and 31 ms instead of 99 ms at 64 tokens (447 vs 135 GFLOP/s).
+The results differ from ``F.linear`` only by float rounding (about 1e-6 relative).
+
+oneDNN also fuses element-wise work into a GEMM's output: the gated MLP becomes
+``up(x) * silu(gate(x))`` computed by two GEMMs with the SiLU and the product in their
+epilogues (68.6 instead of 86.0 ms for 2,048 tokens of the 110M model's MLP), so no
+intermediate tensor is written and read back.
+"""
+
+from __future__ import annotations
+
+import enum
+
+import torch
+from torch import nn
+
+from engine.layers.mlp import GatedMLP
+
+
+class LinearBackend(enum.Enum):
+    TORCH = "torch"
+    """``F.linear``: any device and dtype."""
+    ONEDNN = "onednn"
+    """oneDNN with pre-packed weights: CPU, float32 (bfloat16 where the CPU supports it)."""
+
+
+def onednn_supports(device: torch.device, dtype: torch.dtype) -> bool:
+    if device.type != "cpu" or not torch.backends.mkldnn.is_available():
+        return False
+    if dtype == torch.float32:
+        return True
+    return dtype == torch.bfloat16 and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+
+
+def select_linear_backend(
+    requested: LinearBackend | None, device: torch.device, dtype: torch.dtype
+) -> LinearBackend:
+    """oneDNN where it works, unless ``torch`` is requested."""
+    supported = onednn_supports(device, dtype)
+    if requested is LinearBackend.ONEDNN and not supported:
+        raise ValueError(
+            f"linear_backend 'onednn' needs a CPU and float32/bfloat16, not {device} {dtype}"
+        )
+    if requested is not None:
+        return requested
+    return LinearBackend.ONEDNN if supported else LinearBackend.TORCH
+
+
+class PackedLinear(nn.Module):
+    """A ``nn.Linear`` whose weight oneDNN reordered once; inference only."""
+
+    def __init__(self, linear: nn.Linear) -> None:
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach())
+        self.bias = None if linear.bias is None else linear.bias.detach()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
+
+
+class PackedGatedMLP(nn.Module):
+    """``down(silu(gate(x)) * up(x))`` with the SiLU and the product fused into GEMMs."""
+
+    def __init__(self, mlp: GatedMLP) -> None:
+        super().__init__()
+        gate, up = mlp.gate_up_proj.weight.detach().split(mlp.intermediate_size)
+        self.gate = torch.ops.mkldnn._reorder_linear_weight(gate.contiguous())
+        self.up = torch.ops.mkldnn._reorder_linear_weight(up.contiguous())
+        self.down_proj = PackedLinear(mlp.down_proj)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate = torch.ops.mkldnn._linear_pointwise(x, self.gate, None, "swish", [], "")
+        hidden = torch.ops.mkldnn._linear_pointwise.binary(x, gate, self.up, None, "mul")
+        return self.down_proj(hidden)
+
+
+def pack_linear_layers(model: nn.Module) -> int:
+    """Replace every gated MLP and ``nn.Linear`` of a loaded model by its packed form;
+    returns how many modules changed. The original weights are dropped (the embedding
+    keeps its own copy of a tied output projection)."""
+    count = 0
+    for module in list(model.modules()):
+        for name, child in list(module.named_children()):
+            if isinstance(child, GatedMLP):
+                setattr(module, name, PackedGatedMLP(child))
+            elif isinstance(child, nn.Linear):
+                setattr(module, name, PackedLinear(child))
+            else:
+                continue
+            count += 1
+    return count
