@@ -40,7 +40,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
     attention_backend: str | None = None
-    """``torch``, ``sdpa``, ``flash`` or ``None`` (flash on CUDA when importable, else sdpa)."""
+    """``torch``, ``sdpa``, ``cpu``, ``flash`` or ``None`` (the best one available)."""
     linear_backend: str | None = None
     """``torch`` or ``onednn`` (pre-packed weights, CPU) or ``None`` (onednn where it works)."""
     num_threads: int | None = None
@@ -90,7 +90,7 @@ def resolve_runtime(config: EngineConfig, model: ModelConfig) -> EngineRuntime:
         _DTYPES.get(model.dtype, torch.float32) if config.dtype == "auto" else _DTYPES[config.dtype]
     )
     requested = AttentionBackendKind(config.attention_backend) if config.attention_backend else None
-    backend = select_backend_kind(requested, device)
+    backend = select_backend_kind(requested, device, dtype)
     block_size = config.block_size or (
         FLASH_BLOCK_SIZE_MULTIPLE if backend is AttentionBackendKind.FLASH else DEFAULT_BLOCK_SIZE
     )

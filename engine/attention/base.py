@@ -22,6 +22,8 @@ class AttentionBackendKind(enum.Enum):
     """``scaled_dot_product_attention`` per prefill chunk, one padded batch for decodes."""
     FLASH = "flash"
     """``flash_attn`` varlen + paged kernels; CUDA only."""
+    CPU = "cpu"
+    """SDPA for prefill, Tandem's native paged kernel for decodes; CPU, float32."""
 
 
 class AttentionBackend(Protocol):
@@ -58,18 +60,29 @@ def flash_attn_available() -> bool:
     return True
 
 
+def native_cpu_available(device: torch.device, dtype: torch.dtype) -> bool:
+    from engine.attention.native import paged_decode_library
+
+    return device.type == "cpu" and dtype == torch.float32 and paged_decode_library() is not None
+
+
 def select_backend_kind(
-    requested: AttentionBackendKind | None, device: torch.device
+    requested: AttentionBackendKind | None, device: torch.device, dtype: torch.dtype
 ) -> AttentionBackendKind:
-    """``flash`` when it is importable on CUDA, ``sdpa`` otherwise, unless one is requested."""
+    """``flash`` when importable on CUDA; on CPU in float32 the native kernel when it
+    builds; ``sdpa`` otherwise — unless one is requested."""
     if requested is AttentionBackendKind.FLASH and not (
         device.type == "cuda" and flash_attn_available()
     ):
         raise ValueError("attention_backend 'flash' needs CUDA and the flash-attn package")
+    if requested is AttentionBackendKind.CPU and not native_cpu_available(device, dtype):
+        raise ValueError("attention_backend 'cpu' needs a CPU, float32 and a C compiler")
     if requested is not None:
         return requested
     if device.type == "cuda" and flash_attn_available():
         return AttentionBackendKind.FLASH
+    if native_cpu_available(device, dtype):
+        return AttentionBackendKind.CPU
     return AttentionBackendKind.SDPA
 
 
@@ -82,6 +95,11 @@ def make_backend(kind: AttentionBackendKind, scale: float, block_size: int) -> A
         from engine.attention.sdpa import SdpaAttention
 
         return SdpaAttention(scale)
+    if kind is AttentionBackendKind.CPU:
+        from engine.attention.cpu_paged import CpuPagedAttention
+        from engine.attention.native import paged_decode_library
+
+        return CpuPagedAttention(scale, paged_decode_library())
     from engine.attention.flash import FlashAttention
 
     return FlashAttention(scale, block_size)
