@@ -14,6 +14,8 @@ from tandem.model_config import ModelConfig
 
 DEFAULT_BLOCK_SIZE = 16
 DEFAULT_CPU_KV_CACHE_GB = 4.0
+DEFAULT_CPU_STEP_TOKENS = 1024
+DEFAULT_GPU_STEP_TOKENS = 8192
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -34,7 +36,9 @@ class EngineConfig:
     """KV budget; ``None``: 4 GiB on CPU, ``gpu_memory_utilization`` of free memory on GPU."""
     gpu_memory_utilization: float = 0.9
     max_num_seqs: int = 128
-    max_num_batched_tokens: int = 2048
+    max_num_batched_tokens: int | None = None
+    """Token budget per step; ``None``: 1,024 on CPU (measured best for a 110M model on 2
+    cores: intermediates stay in cache), 8,192 on GPU."""
     max_model_len: int | None = None
     """Longest prompt + output; ``None``: the checkpoint's ``max_position_embeddings``."""
     enable_prefix_caching: bool = True
@@ -62,7 +66,13 @@ class EngineConfig:
                 raise ValueError(
                     f"attention_backend must be one of {valid}, got {self.attention_backend!r}"
                 )
-        for name in ("block_size", "num_kv_blocks", "max_model_len", "num_threads"):
+        for name in (
+            "block_size",
+            "num_kv_blocks",
+            "max_model_len",
+            "num_threads",
+            "max_num_batched_tokens",
+        ):
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ValueError(f"{name} must be >= 1, got {value}")
@@ -82,6 +92,7 @@ class EngineRuntime:
     linear_backend: LinearBackend
     block_size: int
     max_model_len: int
+    max_num_batched_tokens: int
 
 
 def resolve_runtime(config: EngineConfig, model: ModelConfig) -> EngineRuntime:
@@ -104,7 +115,12 @@ def resolve_runtime(config: EngineConfig, model: ModelConfig) -> EngineRuntime:
         torch.set_num_threads(config.num_threads)
     requested_linear = LinearBackend(config.linear_backend) if config.linear_backend else None
     linear = select_linear_backend(requested_linear, device, dtype)
-    return EngineRuntime(device, dtype, backend, linear, block_size, max_model_len)
+    budget = config.max_num_batched_tokens
+    if budget is None:
+        budget = DEFAULT_CPU_STEP_TOKENS if device.type == "cpu" else DEFAULT_GPU_STEP_TOKENS
+        if not config.enable_chunked_prefill:
+            budget = max(budget, max_model_len)  # a whole prompt must fit one step
+    return EngineRuntime(device, dtype, backend, linear, block_size, max_model_len, budget)
 
 
 def _device(name: str) -> torch.device:

@@ -63,7 +63,7 @@ class LLMEngine:
         self.scheduler = Scheduler(
             SchedulerConfig(
                 max_num_seqs=config.max_num_seqs,
-                max_num_batched_tokens=config.max_num_batched_tokens,
+                max_num_batched_tokens=rt.max_num_batched_tokens,
                 max_model_len=rt.max_model_len,
                 enable_chunked_prefill=config.enable_chunked_prefill,
             ),
