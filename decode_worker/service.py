@@ -26,6 +26,7 @@ from kvtransfer.errors import KVPullFailed, LeaseCallFailed
 from kvtransfer.receiver import KVReceiver
 from protos import worker_pb2, worker_pb2_grpc
 from tandem.wire import FINISH_REASON_TO_PROTO, logprobs_to_proto, sampling_from_proto
+from tandem.worker_load import worker_status
 
 log = logging.getLogger(__name__)
 
@@ -104,20 +105,10 @@ class DecodeService(worker_pb2_grpc.DecodeWorkerServicer):
     async def GetStatus(
         self, request: worker_pb2.StatusRequest, context: grpc.aio.ServicerContext
     ) -> worker_pb2.WorkerStatus:
-        load = self.engine.load
-        return worker_pb2.WorkerStatus(
-            worker_id=self.worker_id,
-            role="decode",
-            num_kv_blocks=load.num_kv_blocks,
-            num_free_kv_blocks=load.num_free_blocks,
-            num_cached_kv_blocks=load.num_cached_blocks,
-            num_running=load.num_running,
-            num_waiting=load.num_waiting + load.num_waiting_for_kv,
-            kv_blocks_received=self.receiver.stats.blocks,
-            num_fallbacks=self.num_fallbacks,
-            num_preemptions=load.num_preemptions,
-            num_requests=self.num_requests,
-        )
+        status = worker_status(self.engine.load, self.worker_id, "decode", self.num_requests)
+        status.kv_blocks_received = self.receiver.stats.blocks
+        status.num_fallbacks = self.num_fallbacks
+        return status
 
     # --- the pull ----------------------------------------------------------------------
 

@@ -23,6 +23,7 @@ from kvtransfer.sender import KVSender
 from protos import worker_pb2, worker_pb2_grpc
 from tandem.sampling_params import SamplingParams
 from tandem.wire import FINISH_REASON_TO_PROTO, logprobs_to_proto, sampling_from_proto
+from tandem.worker_load import worker_status
 
 log = logging.getLogger(__name__)
 
@@ -86,20 +87,10 @@ class PrefillService(worker_pb2_grpc.PrefillWorkerServicer):
     async def GetStatus(
         self, request: worker_pb2.StatusRequest, context: grpc.aio.ServicerContext
     ) -> worker_pb2.WorkerStatus:
-        load = self.engine.load
-        return worker_pb2.WorkerStatus(
-            worker_id=self.worker_id,
-            role="prefill",
-            num_kv_blocks=load.num_kv_blocks,
-            num_free_kv_blocks=load.num_free_blocks,
-            num_cached_kv_blocks=load.num_cached_blocks,
-            num_running=load.num_running,
-            num_waiting=load.num_waiting,
-            num_leases=len(self.leases),
-            kv_blocks_sent=self.sender.blocks_sent,
-            num_preemptions=load.num_preemptions,
-            num_requests=self.num_requests,
-        )
+        status = worker_status(self.engine.load, self.worker_id, "prefill", self.num_requests)
+        status.num_leases = len(self.leases)
+        status.kv_blocks_sent = self.sender.blocks_sent
+        return status
 
     def lease_ended(self, lease: EndedLease) -> None:
         """Hand a lease's blocks back to the engine (on the event loop; never blocks)."""
