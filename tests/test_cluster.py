@@ -179,3 +179,57 @@ def test_bad_requests_get_clear_errors(cluster):
         list(stream_generate(cluster.router_address, [11] * 40, long, timeout_s=0.5))
     assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
     _wait_idle(cluster)
+
+
+def test_every_server_reports_health_and_lists_its_services(cluster):
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+    from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+    addresses = {
+        "router": (cluster.router_address, "tandem.v1.Generation"),
+        "prefill-0": (cluster.children["prefill-0"].ready_line.split()[-1], "tandem.v1.KVTransfer"),
+        "decode-0": (cluster.children["decode-0"].ready_line.split()[-1], "tandem.v1.DecodeWorker"),
+    }
+    for name, (address, service) in addresses.items():
+        with grpc.insecure_channel(address) as channel:
+            health = health_pb2_grpc.HealthStub(channel).Check(
+                health_pb2.HealthCheckRequest(), timeout=5
+            )
+            assert health.status == health_pb2.HealthCheckResponse.SERVING, name
+            stub = reflection_pb2_grpc.ServerReflectionStub(channel)
+            request = reflection_pb2.ServerReflectionRequest(list_services="")
+            (answer,) = list(stub.ServerReflectionInfo(iter([request]), timeout=5))
+            names = {s.name for s in answer.list_services_response.service}
+            assert {service, "grpc.health.v1.Health"} <= names, name
+
+
+def test_tandem_generate_cli_streams_from_the_cluster(cluster, offline):
+    import subprocess
+    import sys
+
+    prompt = "def add(a, b):"
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "tandem.cli",
+            "generate",
+            "--addr",
+            cluster.router_address,
+            prompt,
+            "--max-tokens",
+            "12",
+            "--temperature",
+            "0",
+            "--ignore-eos",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    )
+    expected = offline.generate(
+        [prompt], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    )[0]
+    assert result.stdout.rstrip("\n") == expected.text
+    assert "completion 12 tokens" in result.stderr
