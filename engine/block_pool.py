@@ -44,6 +44,11 @@ class BlockPool:
     def num_cached_blocks(self) -> int:
         return len(self._cached)
 
+    def cached_hashes(self) -> list[BlockHash]:
+        """Every hash now findable in the prefix cache (a snapshot for resyncing an index
+        that missed events); O(cached blocks)."""
+        return list(self._cached)
+
     def lookup(self, block_hash: BlockHash) -> Block | None:
         return self._cached.get(block_hash) if self.enable_caching else None
 

@@ -123,3 +123,14 @@ def test_caching_disabled_never_hits() -> None:
     _compute_all(kv, r)
     assert kv.find_cached_prefix(_request("s", [1, 2, 3, 4, 5])).num_tokens == 0
     assert pool.take_events() == []
+
+
+def test_cached_hashes_lists_exactly_the_findable_blocks() -> None:
+    pool = BlockPool(4)
+    kv = KVCacheManager(pool, block_size=2)
+    r = _request("r", [1, 2, 3, 4, 5])
+    _compute_all(kv, r)
+    assert pool.cached_hashes() == hash_blocks([1, 2, 3, 4], 2)
+    kv.free(r)
+    assert pool.allocate(4) is not None  # evicts both cached blocks
+    assert pool.cached_hashes() == []
