@@ -7,9 +7,36 @@ written against vLLM's offline API reads the same here.
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, field
 
 MAX_LOGPROBS = 20
+MAX_SPECULATIVE_TOKENS = 16
+
+
+class SpecMethod(enum.Enum):
+    NGRAM = "ngram"
+    """Prompt lookup: propose what followed the last n tokens where they occurred before."""
+    DRAFT = "draft"
+    """A smaller draft model proposes, autoregressively."""
+
+
+@dataclass(frozen=True)
+class SpeculativeOptions:
+    """Per-request control of speculative decoding; ``None`` fields take the engine's
+    defaults (speculation runs only on engines configured with a proposer)."""
+
+    enabled: bool | None = None
+    method: SpecMethod | None = None
+    num_tokens: int | None = None
+    """Most tokens proposed per step (k); the engine's adaptive k may use fewer."""
+
+    def __post_init__(self) -> None:
+        if self.num_tokens is not None and not 1 <= self.num_tokens <= MAX_SPECULATIVE_TOKENS:
+            raise ValueError(
+                f"speculative.num_tokens must be in [1, {MAX_SPECULATIVE_TOKENS}], "
+                f"got {self.num_tokens}"
+            )
 
 
 @dataclass(frozen=True)
@@ -38,6 +65,7 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     logprobs: int | None = None
     skip_special_tokens: bool = True
+    speculative: SpeculativeOptions = field(default_factory=SpeculativeOptions)
 
     def __post_init__(self) -> None:
         # Accept lists (and a bare string for `stop`) from callers; store tuples.

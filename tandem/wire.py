@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from typing import Protocol
 
 from protos import common_pb2
-from tandem.sampling_params import SamplingParams
+from tandem.sampling_params import SamplingParams, SpecMethod, SpeculativeOptions
 
 _OPTIONAL_FIELDS = (
     "max_tokens",
@@ -49,7 +49,9 @@ def sampling_from_proto(msg: common_pb2.SamplingParams) -> SamplingParams:
 
 def sampling_to_proto(params: SamplingParams) -> common_pb2.SamplingParams:
     msg = common_pb2.SamplingParams(
-        stop=list(params.stop), stop_token_ids=list(params.stop_token_ids)
+        stop=list(params.stop),
+        stop_token_ids=list(params.stop_token_ids),
+        speculative=_speculative_to_proto(params.speculative),
     )
     for name in _PLAIN_FIELDS:
         setattr(msg, name, getattr(params, name))
