@@ -40,11 +40,43 @@ FINISH_REASON_TO_PROTO = {
 FINISH_REASON_FROM_PROTO = {v: k for k, v in FINISH_REASON_TO_PROTO.items()}
 
 
+_METHOD_FROM_PROTO = {
+    common_pb2.SPECULATIVE_METHOD_UNSPECIFIED: None,
+    common_pb2.SPECULATIVE_METHOD_NGRAM: SpecMethod.NGRAM,
+    common_pb2.SPECULATIVE_METHOD_DRAFT: SpecMethod.DRAFT,
+}
+_METHOD_TO_PROTO = {v: k for k, v in _METHOD_FROM_PROTO.items()}
+
+
 def sampling_from_proto(msg: common_pb2.SamplingParams) -> SamplingParams:
     """Raises ``ValueError`` (message starts with the field name) for invalid values."""
     kwargs: dict[str, object] = {f: getattr(msg, f) for f in _PLAIN_FIELDS}
     kwargs.update({f: getattr(msg, f) for f in _OPTIONAL_FIELDS if msg.HasField(f)})
-    return SamplingParams(stop=tuple(msg.stop), stop_token_ids=tuple(msg.stop_token_ids), **kwargs)
+    return SamplingParams(
+        stop=tuple(msg.stop),
+        stop_token_ids=tuple(msg.stop_token_ids),
+        speculative=_speculative_from_proto(msg.speculative),
+        **kwargs,
+    )
+
+
+def _speculative_from_proto(msg: common_pb2.SpeculativeParams) -> SpeculativeOptions:
+    if msg.method not in _METHOD_FROM_PROTO:
+        raise ValueError(f"speculative.method {msg.method} is not a known method")
+    return SpeculativeOptions(
+        enabled=msg.enabled if msg.HasField("enabled") else None,
+        method=_METHOD_FROM_PROTO[msg.method],
+        num_tokens=msg.num_speculative_tokens if msg.HasField("num_speculative_tokens") else None,
+    )
+
+
+def _speculative_to_proto(options: SpeculativeOptions) -> common_pb2.SpeculativeParams:
+    msg = common_pb2.SpeculativeParams(method=_METHOD_TO_PROTO[options.method])
+    if options.enabled is not None:
+        msg.enabled = options.enabled
+    if options.num_tokens is not None:
+        msg.num_speculative_tokens = options.num_tokens
+    return msg
 
 
 def sampling_to_proto(params: SamplingParams) -> common_pb2.SamplingParams:
