@@ -84,6 +84,10 @@ PRESETS: dict[str, SizePreset] = {
     "tiny": SizePreset(64, 4, 4, 2, 192, sliding_window=64),
     "small": SizePreset(256, 6, 8, 2, 768, sliding_window=64),
     "medium": SizePreset(768, 12, 12, 4, 3072, sliding_window=256),  # ≈110M parameters
+    # Trained on the stdlib by `tandem make-model --train-pair` (engine.training), shipped
+    # in engine/assets/trained: sized so the pair fits in ~8 MB in bfloat16.
+    "trained-target": SizePreset(192, 4, 6, 2, 512, sliding_window=64),  # 3.1M parameters
+    "trained-draft": SizePreset(64, 2, 4, 2, 192, sliding_window=64),  # 0.6M parameters
 }
 
 
@@ -240,7 +244,25 @@ def make_model(
     sliding_window: int | None = None,
 ) -> Path:
     """Write a random checkpoint to ``out_dir`` (created if needed); return its path."""
-    spec = CheckpointSpec(
+    spec = checkpoint_spec(
+        arch, size, seed, dtype, rope_scaling, config_style, vocab_size, kv_heads, sliding_window
+    )
+    return write_checkpoint(spec, Path(out_dir))
+
+
+def checkpoint_spec(
+    arch: str = "llama",
+    size: str = "tiny",
+    seed: int = 0,
+    dtype: str = "float32",
+    rope_scaling: str = "none",
+    config_style: str = "legacy",
+    vocab_size: int = 4096,
+    kv_heads: int | None = None,
+    sliding_window: int | None = None,
+) -> CheckpointSpec:
+    """A validated ``CheckpointSpec`` from plain values (``ValueError`` names a bad one)."""
+    return CheckpointSpec(
         arch=arch,
         size=size,
         seed=seed,
@@ -251,16 +273,21 @@ def make_model(
         kv_heads=kv_heads,
         sliding_window=sliding_window,
     )
-    return write_checkpoint(spec, Path(out_dir))
 
 
 def write_checkpoint(spec: CheckpointSpec, out_dir: Path) -> Path:
+    return save_checkpoint(spec, out_dir, init_weights(spec))
+
+
+def save_checkpoint(spec: CheckpointSpec, out_dir: Path, weights: dict[str, torch.Tensor]) -> Path:
+    """Write ``weights`` (HF names, any float dtype; stored as ``spec.dtype``) with the
+    configs and tokenizer ``spec`` describes to ``out_dir`` (created if needed)."""
     out_dir.mkdir(parents=True, exist_ok=True)
     ids = write_tokenizer(out_dir, spec.vocab_size, MAX_POSITION_EMBEDDINGS)
     _write_json(out_dir / "config.json", hf_config(spec, ids))
     _write_json(out_dir / "generation_config.json", generation_config(ids))
-    weights = {name: t.to(DTYPES[spec.dtype]) for name, t in init_weights(spec).items()}
-    save_file(weights, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
+    stored = {name: t.detach().to(DTYPES[spec.dtype]).contiguous() for name, t in weights.items()}
+    save_file(stored, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
     return out_dir
 
 

@@ -69,6 +69,12 @@ def corpus_files() -> list[Path]:
     return selected
 
 
+def corpus_texts(files: list[Path] | None = None) -> list[str]:
+    """The text of ``files`` (default: ``corpus_files()``), one string per file, in order."""
+    paths = corpus_files() if files is None else files
+    return [path.read_text(encoding="utf-8", errors="replace") for path in paths]
+
+
 def cache_dir() -> Path:
     base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
     return Path(base) / "tandem"
@@ -98,8 +104,7 @@ def train(files: list[Path], vocab_size: int) -> Tokenizer:
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    texts = [path.read_text(encoding="utf-8", errors="replace") for path in files]
-    tokenizer.train_from_iterator(texts, trainer)
+    tokenizer.train_from_iterator(corpus_texts(files), trainer)
     tokenizer.post_processor = processors.TemplateProcessing(
         single=f"{BOS} $A",
         pair=f"{BOS} $A {BOS} $B",
@@ -129,6 +134,10 @@ def write_tokenizer(out_dir: Path, vocab_size: int, max_length: int) -> TokenIds
     }
     text = json.dumps(config, indent=2, ensure_ascii=False) + "\n"
     (out_dir / "tokenizer_config.json").write_text(text, encoding="utf-8")
+    return special_token_ids(tokenizer)
+
+
+def special_token_ids(tokenizer: Tokenizer) -> TokenIds:
     ids = {token: tokenizer.token_to_id(token) for token in SPECIAL_TOKENS}
     return TokenIds(bos=ids[BOS], eos=ids[EOS], pad=ids[PAD], end_of_turn=ids[IM_END])
 

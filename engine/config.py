@@ -11,6 +11,7 @@ from engine.attention.base import AttentionBackendKind, select_backend_kind
 from engine.attention.flash import FLASH_BLOCK_SIZE_MULTIPLE
 from engine.layers.linear import LinearBackend, select_linear_backend
 from tandem.model_config import ModelConfig
+from tandem.sampling_params import MAX_SPECULATIVE_TOKENS, SpecMethod
 
 DEFAULT_BLOCK_SIZE = 16
 DEFAULT_CPU_KV_CACHE_GB = 4.0
@@ -50,6 +51,19 @@ class EngineConfig:
     num_threads: int | None = None
     """Torch intra-op threads on CPU; ``None`` leaves torch's default."""
     seed: int = 0
+    speculative_method: str | None = None
+    """``ngram`` or ``draft``: speculative decoding's default proposer (``None``: off,
+    unless ``draft_model`` is set, which implies ``draft``)."""
+    num_speculative_tokens: int = 4
+    """Most tokens proposed per step (k); the adaptive controller may use fewer."""
+    draft_model: str | None = None
+    """Checkpoint of the draft model (same tokenizer as the target)."""
+    ngram_min_n: int = 1
+    ngram_max_n: int = 4
+    speculative_adaptive: bool = True
+    """Adapt k per request to its acceptance (down to 0 when drafts keep failing)."""
+    speculative_by_default: bool = True
+    """Requests speculate unless they opt out (``SamplingParams.speculative``)."""
 
     def __post_init__(self) -> None:
         if self.dtype != "auto" and self.dtype not in _DTYPES:
@@ -76,6 +90,27 @@ class EngineConfig:
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ValueError(f"{name} must be >= 1, got {value}")
+        if self.speculative_method is not None and self.speculative_method not in (
+            "ngram",
+            "draft",
+        ):
+            raise ValueError(
+                f"speculative_method must be 'ngram' or 'draft', got {self.speculative_method!r}"
+            )
+        if self.speculative_method == "draft" and self.draft_model is None:
+            raise ValueError(
+                "speculative_method 'draft' needs draft_model (a checkpoint directory)"
+            )
+        if not 1 <= self.num_speculative_tokens <= MAX_SPECULATIVE_TOKENS:
+            raise ValueError(
+                f"num_speculative_tokens must be in [1, {MAX_SPECULATIVE_TOKENS}], "
+                f"got {self.num_speculative_tokens}"
+            )
+        if not 1 <= self.ngram_min_n <= self.ngram_max_n:
+            raise ValueError(
+                f"ngram_min_n/ngram_max_n need 1 <= min <= max, got {self.ngram_min_n}, "
+                f"{self.ngram_max_n}"
+            )
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(
                 f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}"
@@ -159,3 +194,11 @@ def _kv_budget_bytes(config: EngineConfig, runtime: EngineRuntime) -> float:
         free, _ = torch.cuda.mem_get_info(runtime.device)
         return free * config.gpu_memory_utilization
     return DEFAULT_CPU_KV_CACHE_GB * 2**30
+
+
+def default_spec_method(config: EngineConfig) -> SpecMethod | None:
+    """The engine's speculative method: as configured, or ``draft`` when only a draft
+    model is given, else ``None`` (no speculation)."""
+    if config.speculative_method is not None:
+        return SpecMethod(config.speculative_method)
+    return SpecMethod.DRAFT if config.draft_model is not None else None

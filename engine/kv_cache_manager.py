@@ -86,6 +86,15 @@ class KVCacheManager:
         self.pool.cache(self._blocks[rid][start:num_full], hashes[start:num_full], parent)
         self._num_published[rid] = num_full
 
+    def trim(self, request: Request) -> None:
+        """Drop blocks beyond what ``request.num_tokens`` needs (after rejected speculative
+        tokens were rolled back). Those blocks hold no published KV."""
+        held = self._blocks.get(request.request_id, [])
+        keep = -(-request.num_tokens // self.block_size)
+        if len(held) > keep:
+            self.pool.free(held[keep:][::-1])
+            del held[keep:]
+
     def free(self, request: Request) -> None:
         """Return all of ``request``'s blocks (tail first, so the tail is evicted first)."""
         rid = request.request_id

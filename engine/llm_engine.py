@@ -11,6 +11,8 @@ from __future__ import annotations
 import itertools
 from collections.abc import Callable
 
+import torch
+
 from engine.block_pool import BlockPool
 from engine.config import EngineConfig, EngineRuntime, num_kv_blocks, resolve_runtime
 from engine.kv_cache_manager import KVCacheManager
@@ -19,6 +21,7 @@ from engine.outputs import EngineLoad, KVUsage, RequestDelta
 from engine.request import FinishReason, PrefillMode, Request, RequestStatus
 from engine.sampler import TokenLogprobs
 from engine.scheduler import KVPull, Scheduler, SchedulerConfig, StepUpdate
+from engine.spec_decode.build import build_speculator
 from tandem.kv_events import KVCacheEvent
 from tandem.model_config import ModelConfig
 from tandem.sampling_params import SamplingParams
@@ -70,6 +73,12 @@ class LLMEngine:
             self.kv_cache,
             self.eos_token_ids,
         )
+        self.speculator = build_speculator(
+            config, rt, self.model_config, self.eos_token_ids, self.num_kv_blocks
+        )
+        self._draft_probs: dict[str, torch.Tensor] = {}
+        self.num_steps = 0
+        """Target forward passes run so far."""
         self.text_streams: dict[str, TextStream] = {}
         self.requests: dict[str, Request] = {}
         self._kv_pulls: list[KVPull] = []
@@ -116,6 +125,8 @@ class LLMEngine:
             return False
         self.scheduler.finish(request, FinishReason.ABORT)
         self.text_streams.pop(request_id, None)
+        if self.speculator is not None:
+            self.speculator.forget(request_id)
         return True
 
     def has_unfinished_requests(self) -> bool:
@@ -165,11 +176,23 @@ class LLMEngine:
         plan = self.scheduler.schedule()
         self._kv_pulls.extend(plan.kv_pulls)
         self.last_step_idle = not plan.chunks
+        if self.speculator is not None:
+            for request in plan.preempted:
+                self.speculator.forget(request.request_id)
         if not plan.chunks:
             return []
-        result = self.runner.execute(plan)
+        result = self.runner.execute(plan, self._draft_probs)
+        self.num_steps += 1
         updates = self.scheduler.update(plan, result.sampled)
         deltas = [self._emit(u, result.logprobs.get(u.request.request_id, [])) for u in updates]
+        if self.speculator is not None:
+            for update in updates:
+                self.speculator.observe(update)
+                if update.request.is_finished:  # token stop, or a stop string in _emit
+                    self.speculator.forget(update.request.request_id)
+            self._draft_probs = self.speculator.propose(
+                self.scheduler.running, self.runtime.max_model_len
+            )
         self._track_kv_usage()
         events = self.block_pool.take_events()
         if events and self._on_kv_events is not None:

@@ -7,7 +7,7 @@ backend, per-request random generators — and makes no policy decisions. One ca
 
 from __future__ import annotations
 
-from collections.abc import Collection
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -17,7 +17,7 @@ from engine.attention.base import AttentionBackendKind, make_backend
 from engine.attention.metadata import AttentionMetadata
 from engine.layers.linear import LinearBackend, pack_linear_layers
 from engine.loader import load_model
-from engine.sampler import Sampler, SamplingRow, TokenLogprobs
+from engine.sampler import RowGroup, Sampler, SamplingRow, TokenLogprobs
 from engine.scheduler import ScheduledChunk, SchedulerOutput
 from engine.stopping import banned_tokens
 from tandem.model_config import ModelConfig
@@ -81,25 +81,53 @@ class ModelRunner:
         ]
 
     @torch.inference_mode()
-    def execute(self, step: SchedulerOutput) -> RunnerOutput:
+    def execute(
+        self, step: SchedulerOutput, draft_probs: Mapping[str, torch.Tensor] | None = None
+    ) -> RunnerOutput:
+        """Run the step; ``draft_probs``: for drafted requests whose proposer sampled,
+        the ``[k, V]`` distributions their drafts came from."""
         for request_id in step.finished_request_ids:
             self._generators.pop(request_id, None)
         chunks = sorted(step.chunks, key=lambda c: c.num_tokens > 1)  # decodes first
-        input_ids, positions, meta = self._prepare(chunks)
-        self.backend.plan(meta)
-        hidden = self.model(input_ids, positions, self.kv_caches, self.backend, meta)
+        hidden, meta = self._forward(chunks)
         sampling = [(i, c) for i, c in enumerate(chunks) if c.samples]
         if not sampling:
             return RunnerOutput({}, {})
-        last_token = torch.tensor([meta.query_start_loc[i + 1] - 1 for i, _ in sampling])
-        logits = self.model.compute_logits(hidden[last_token.to(self.device)])
-        result = self.sampler(logits, [self._sampling_row(c) for _, c in sampling])
+        rows, groups, positions = [], [], []
+        for i, chunk in sampling:
+            drafts = chunk.draft_token_ids
+            probs = (draft_probs or {}).get(chunk.request.request_id) if drafts else None
+            groups.append(RowGroup(len(rows), drafts, probs))
+            rows.extend(self._sampling_rows(chunk))
+            last = meta.query_start_loc[i + 1]
+            positions.extend(range(last - len(drafts) - 1, last))
+        logits = self.model.compute_logits(hidden[torch.tensor(positions, device=self.device)])
+        result = self.sampler(logits, rows, groups)
         sampled, logprobs = {}, {}
-        for (_, chunk), token, lp in zip(sampling, result.token_ids, result.logprobs, strict=True):
-            sampled[chunk.request.request_id] = [token]
-            if lp is not None:
-                logprobs[chunk.request.request_id] = [lp]
+        for (_, chunk), tokens, lps in zip(
+            sampling, result.token_ids, result.logprobs, strict=True
+        ):
+            sampled[chunk.request.request_id] = tokens
+            if lps:
+                logprobs[chunk.request.request_id] = lps
         return RunnerOutput(sampled, logprobs)
+
+    @torch.inference_mode()
+    def last_logits(self, chunks: Sequence[ScheduledChunk]) -> torch.Tensor:
+        """Run ``chunks`` (writing their KV) and return the logits at each chunk's last
+        position, ``[len(chunks), V]`` in the given order; no sampling (draft models)."""
+        order = sorted(range(len(chunks)), key=lambda i: chunks[i].num_tokens > 1)
+        hidden, meta = self._forward([chunks[i] for i in order])
+        last = torch.tensor([meta.query_start_loc[j + 1] - 1 for j in range(len(order))])
+        logits = self.model.compute_logits(hidden[last.to(self.device)])
+        restore = torch.empty(len(order), dtype=torch.long)
+        restore[torch.tensor(order)] = torch.arange(len(order))
+        return logits[restore.to(self.device)]
+
+    def _forward(self, chunks: list[ScheduledChunk]) -> tuple[torch.Tensor, AttentionMetadata]:
+        input_ids, positions, meta = self._prepare(chunks)
+        self.backend.plan(meta)
+        return self.model(input_ids, positions, self.kv_caches, self.backend, meta), meta
 
     def _prepare(
         self, chunks: list[ScheduledChunk]
@@ -118,7 +146,7 @@ class ModelRunner:
         for i, c in enumerate(chunks):
             table[i, : len(c.block_ids)] = c.block_ids
         slots = table[seq_of_token, positions // bs] * bs + positions % bs
-        input_ids = [t for c in chunks for t in c.request.all_token_ids[c.start : c.end]]
+        input_ids = [t for c in chunks for t in _chunk_tokens(c)]
         seq_lens = starts + q_lens
         to = self.device
         meta = AttentionMetadata(
@@ -145,7 +173,9 @@ class ModelRunner:
             torch.empty(vocab, device=self.device).exponential_(generator=generator)
         return generator
 
-    def _sampling_row(self, chunk: ScheduledChunk) -> SamplingRow:
+    def _sampling_rows(self, chunk: ScheduledChunk) -> list[SamplingRow]:
+        """One row per sampled position: the last token's, then one per draft (which then
+        counts as already generated, for penalties and ``min_tokens``)."""
         request = chunk.request
         params = request.sampling_params
         generator = None
@@ -154,10 +184,24 @@ class ModelRunner:
             if generator is None:
                 generator = self._seeded_generator(params.seed, request.num_output_tokens)
                 self._generators[request.request_id] = generator
-        return SamplingRow(
-            params=params,
-            prompt_token_ids=request.prompt_token_ids,
-            output_token_ids=request.output_token_ids,
-            generator=generator,
-            banned_token_ids=banned_tokens(request, self.eos_token_ids),
-        )
+        rows = []
+        for j in range(len(chunk.draft_token_ids) + 1):
+            outputs = request.output_token_ids
+            if j:
+                outputs = [*outputs, *chunk.draft_token_ids[:j]]
+            rows.append(
+                SamplingRow(
+                    params=params,
+                    prompt_token_ids=request.prompt_token_ids,
+                    output_token_ids=outputs,
+                    generator=generator,
+                    banned_token_ids=banned_tokens(params, len(outputs), self.eos_token_ids),
+                )
+            )
+        return rows
+
+
+def _chunk_tokens(chunk: ScheduledChunk) -> list[int]:
+    """The input ids a chunk feeds: its own tokens, then its drafts."""
+    own = chunk.request.all_token_ids[chunk.start : chunk.end - len(chunk.draft_token_ids)]
+    return [*own, *chunk.draft_token_ids] if chunk.draft_token_ids else own

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.spec_decode.rejection import verify_greedy, verify_sampled
 from tandem.sampling_params import SamplingParams
 
 
@@ -40,9 +41,28 @@ class TokenLogprobs:
 
 
 @dataclass(frozen=True)
+class RowGroup:
+    """Consecutive logits rows of one request. A plain group is one row and yields one
+    token. With ``draft_token_ids`` (k of them) it is k + 1 rows, one per drafted
+    position and one after, and yields the accepted drafts plus one token of its own.
+    ``draft_probs`` ``[k, V]``: the distributions the drafts were drawn from (``None``:
+    a deterministic proposer)."""
+
+    first_row: int
+    draft_token_ids: tuple[int, ...] = ()
+    draft_probs: torch.Tensor | None = None
+
+    @property
+    def num_rows(self) -> int:
+        return len(self.draft_token_ids) + 1
+
+
+@dataclass(frozen=True)
 class SamplerOutput:
-    token_ids: list[int]
-    logprobs: list[TokenLogprobs | None]
+    token_ids: list[list[int]]
+    """Per group: the tokens it emits (one, or accepted drafts plus one)."""
+    logprobs: list[list[TokenLogprobs]]
+    """Per group: one entry per emitted token when the request asked for logprobs."""
 
 
 class Sampler:
@@ -52,7 +72,11 @@ class Sampler:
     def __init__(self, device: torch.device, seed: int) -> None:
         self.generator = torch.Generator(device).manual_seed(seed)
 
-    def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
+    def __call__(
+        self, logits: torch.Tensor, rows: list[SamplingRow], groups: list[RowGroup]
+    ) -> SamplerOutput:
+        """``rows[i]`` describes logits row ``i`` (for drafted positions, with the drafts
+        before it counted as output, so penalties and ``min_tokens`` see them)."""
         logits = logits.float()
         raw_logprobs = None
         if any(r.params.logprobs is not None for r in rows):
@@ -60,9 +84,38 @@ class Sampler:
         logits = self._ban_tokens(logits, rows)
         if any(r.params.uses_penalties for r in rows):
             logits = apply_penalties(logits, rows)
-        tokens = self._pick(logits, rows)
-        token_list = tokens.tolist()
-        return SamplerOutput(token_list, _gather_logprobs(raw_logprobs, token_list, rows))
+        tokens = self._emit(logits, rows, groups)
+        logprobs = [
+            _gather_logprobs(raw_logprobs, g, toks, rows)
+            for g, toks in zip(groups, tokens, strict=True)
+        ]
+        return SamplerOutput(tokens, logprobs)
+
+    def _emit(
+        self, logits: torch.Tensor, rows: list[SamplingRow], groups: list[RowGroup]
+    ) -> list[list[int]]:
+        plain = [g.first_row for g in groups if not g.draft_token_ids]
+        picked = {}
+        if plain:
+            index = torch.tensor(plain, device=logits.device)
+            chosen = self._pick(logits.index_select(0, index), [rows[i] for i in plain])
+            picked = dict(zip(plain, chosen.tolist(), strict=True))
+        out = []
+        for group in groups:
+            if not group.draft_token_ids:
+                out.append([picked[group.first_row]])
+                continue
+            span = slice(group.first_row, group.first_row + group.num_rows)
+            out.append(self._verify(logits[span], rows[span], group))
+        return out
+
+    def _verify(self, logits: torch.Tensor, rows: list[SamplingRow], group: RowGroup) -> list[int]:
+        params = rows[0].params
+        if params.greedy:
+            return verify_greedy(logits.argmax(dim=-1).tolist(), group.draft_token_ids)
+        probs = filtered_probs(logits, rows)
+        generator = rows[0].generator or self.generator
+        return verify_sampled(probs, group.draft_token_ids, group.draft_probs, generator)
 
     def _ban_tokens(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
         for i, row in enumerate(rows):
@@ -142,21 +195,21 @@ def exponential_race(
 
 
 def _gather_logprobs(
-    raw: torch.Tensor | None, tokens: list[int], rows: list[SamplingRow]
-) -> list[TokenLogprobs | None]:
-    out: list[TokenLogprobs | None] = [None] * len(rows)
-    if raw is None:
-        return out
-    wanted = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
-    k = max(rows[i].params.logprobs or 0 for i in wanted)
-    top_values, top_ids = raw[wanted].topk(k, dim=-1) if k else (None, None)
-    chosen = raw[wanted, [tokens[i] for i in wanted]].tolist()
-    for j, i in enumerate(wanted):
-        n = rows[i].params.logprobs or 0
+    raw: torch.Tensor | None, group: RowGroup, tokens: list[int], rows: list[SamplingRow]
+) -> list[TokenLogprobs]:
+    """Raw log-probabilities of each emitted token, from the row that produced it."""
+    n = rows[group.first_row].params.logprobs
+    if raw is None or n is None:
+        return []
+    row_ids = list(range(group.first_row, group.first_row + len(tokens)))
+    chosen = raw[row_ids, tokens].tolist()
+    top_values, top_ids = raw[row_ids].topk(n, dim=-1) if n else (None, None)
+    out = []
+    for j in range(len(tokens)):
         top = ()
         if n:
-            top = tuple(zip(top_ids[j, :n].tolist(), top_values[j, :n].tolist(), strict=True))
-        out[i] = TokenLogprobs(chosen[j], top)
+            top = tuple(zip(top_ids[j].tolist(), top_values[j].tolist(), strict=True))
+        out.append(TokenLogprobs(chosen[j], top))
     return out
 
 

@@ -56,12 +56,14 @@ class SchedulerConfig:
 
 @dataclass(frozen=True)
 class ScheduledChunk:
-    """``num_tokens`` tokens of ``request`` from position ``start`` are computed this step."""
+    """``num_tokens`` positions of ``request`` from ``start`` are computed this step: its
+    tokens, then (speculative decoding) ``draft_token_ids`` to verify."""
 
     request: Request
     start: int
     num_tokens: int
     block_ids: tuple[int, ...]
+    draft_token_ids: tuple[int, ...] = ()
 
     @property
     def end(self) -> int:
@@ -69,8 +71,9 @@ class ScheduledChunk:
 
     @property
     def samples(self) -> bool:
-        """Whether the chunk reaches the request's last token, so a new token is sampled."""
-        return self.end == self.request.num_tokens
+        """Whether the chunk reaches the request's last token, so a token is sampled (and
+        the drafts, if any, verified)."""
+        return self.end - len(self.draft_token_ids) == self.request.num_tokens
 
 
 @dataclass(frozen=True)
@@ -107,6 +110,11 @@ class StepUpdate:
     finish_reason: FinishReason | None
     handed_off: bool = False
     """A ``HAND_OFF`` request reached ``PREFILLED``: its KV is held for a decode worker."""
+    num_draft_tokens: int = 0
+    """Speculative tokens verified this step."""
+    num_accepted_drafts: int = 0
+    """How many of them were accepted (``new_token_ids`` starts with those, then has the
+    target's own token, unless a stop cut the run short)."""
 
 
 @dataclass
@@ -175,10 +183,13 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
-            num_new = min(request.num_uncomputed_tokens, budget)
+            drafts, request.draft_token_ids = tuple(request.draft_token_ids), []
+            num_new = request.num_uncomputed_tokens + len(drafts)
+            if num_new > budget:  # verify drafts only with the whole remainder of the request
+                drafts, num_new = (), min(request.num_uncomputed_tokens, budget)
             if not self._grow_or_preempt(request, num_new, preempted):
                 break  # `request` itself was preempted: nothing after it can run either
-            chunks.append(self._chunk(request, num_new))
+            chunks.append(self._chunk(request, num_new, drafts))
             budget -= num_new
             i += 1
         pulls: list[KVPull] = []
@@ -188,35 +199,53 @@ class Scheduler:
         return SchedulerOutput(tuple(chunks), tuple(pulls), tuple(preempted), finished)
 
     def update(self, output: SchedulerOutput, sampled: dict[str, list[int]]) -> list[StepUpdate]:
-        """Advance computed tokens, append sampled ones, finish what is done."""
+        """Advance computed tokens, append sampled ones, finish what is done.
+
+        For a chunk with drafts, ``sampled`` holds the accepted drafts then one token of
+        the target's own: the KV of the accepted drafts stays, the rest is rolled back.
+        """
         updates = []
         for chunk in output.chunks:
             request = chunk.request
             if request.is_finished:
                 continue  # aborted while the step ran
-            request.num_computed_tokens = chunk.end
+            tokens = sampled.get(request.request_id, [])
+            num_rejected = len(chunk.draft_token_ids) - max(0, len(tokens) - 1)
+            request.num_computed_tokens = chunk.end - (num_rejected if tokens else 0)
+            appended, reason = self._append(request, tokens)
+            request.num_computed_tokens = min(request.num_computed_tokens, request.num_tokens)
             self.kv.publish_full_blocks(request)
-            new_tokens = sampled.get(request.request_id, [])
-            if not new_tokens:
+            if reason is not None:
+                self.finish(request, reason)
+            elif chunk.draft_token_ids:
+                self.kv.trim(request)
+            if not appended:
                 continue
-            reason = None
-            for token in new_tokens:
-                request.append_output_token(token)
-                reason = check_token_stop(request, self.eos_token_ids, self.config.max_model_len)
-                if reason is not None:
-                    self.finish(request, reason)
-                    break
             handed_off = reason is None and request.prefill_mode is PrefillMode.HAND_OFF
             if handed_off:
                 self._hand_off(request)
-            updates.append(StepUpdate(request, new_tokens, reason, handed_off))
+            num_drafts = len(chunk.draft_token_ids)
+            accepted = len(tokens) - 1 if num_drafts else 0
+            updates.append(StepUpdate(request, appended, reason, handed_off, num_drafts, accepted))
         return updates
+
+    def _append(self, request: Request, tokens: list[int]) -> tuple[list[int], FinishReason | None]:
+        """Append tokens up to the first that ends the request; returns those appended and
+        the finish reason (the caller finishes the request)."""
+        for i, token in enumerate(tokens):
+            request.append_output_token(token)
+            reason = check_token_stop(request, self.eos_token_ids, self.config.max_model_len)
+            if reason is not None:
+                return tokens[: i + 1], reason
+        return tokens, None
 
     # --- helpers -----------------------------------------------------------------------
 
-    def _chunk(self, request: Request, num_new: int) -> ScheduledChunk:
+    def _chunk(
+        self, request: Request, num_new: int, drafts: tuple[int, ...] = ()
+    ) -> ScheduledChunk:
         start = request.num_computed_tokens
-        return ScheduledChunk(request, start, num_new, tuple(self.kv.block_ids(request)))
+        return ScheduledChunk(request, start, num_new, tuple(self.kv.block_ids(request)), drafts)
 
     def _grow_or_preempt(self, request: Request, num_new: int, preempted: list[Request]) -> bool:
         """Allocate for ``request``, preempting from the back of ``running`` until it fits.
@@ -237,6 +266,7 @@ class Scheduler:
     def _preempt(self, request: Request) -> None:
         self.running.remove(request)
         self.kv.free(request)
+        request.draft_token_ids = []
         request.num_computed_tokens = 0
         request.num_preemptions += 1
         self.num_preemptions += 1

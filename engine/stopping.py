@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Collection
 
 from engine.request import FinishReason, Request
+from tandem.sampling_params import SamplingParams
 
 
 def check_token_stop(
@@ -26,10 +27,12 @@ def check_token_stop(
     return None
 
 
-def banned_tokens(request: Request, eos_token_ids: Collection[int]) -> tuple[int, ...]:
-    """Token ids the sampler must not pick for ``request`` this step (under ``min_tokens``)."""
-    params = request.sampling_params
-    if request.num_output_tokens >= params.min_tokens:
+def banned_tokens(
+    params: SamplingParams, num_output_tokens: int, eos_token_ids: Collection[int]
+) -> tuple[int, ...]:
+    """Token ids the sampler must not pick as output token number ``num_output_tokens``
+    (counting from 0): EOS and stop tokens while under ``min_tokens``."""
+    if num_output_tokens >= params.min_tokens:
         return ()
     eos = () if params.ignore_eos else tuple(eos_token_ids)
     return (*eos, *params.stop_token_ids)

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
-from engine.sampler import Sampler, SamplingRow, apply_penalties, filtered_probs
+from engine.sampler import RowGroup, Sampler, SamplingRow, apply_penalties, filtered_probs
 from tests.hf_reference import random_prompts
 
 VOCAB = 50
@@ -24,10 +24,16 @@ def _row(
     return SamplingRow(params, prompt or [], output or [], generator, ())
 
 
+def _sample(sampler: Sampler, logits: torch.Tensor, rows: list[SamplingRow]) -> list[int]:
+    """One token per row."""
+    groups = [RowGroup(i) for i in range(len(rows))]
+    return [tokens[0] for tokens in sampler(logits, rows, groups).token_ids]
+
+
 def _draw(params: SamplingParams, logits: torch.Tensor, n: int = 400) -> set[int]:
     sampler = Sampler(torch.device("cpu"), seed=0)
     rows = [_row(params)] * n
-    return set(sampler(logits.expand(n, -1).clone(), rows).token_ids)
+    return set(_sample(sampler, logits.expand(n, -1).clone(), rows))
 
 
 @pytest.fixture
@@ -71,7 +77,7 @@ def test_sampling_follows_the_distribution() -> None:
     sampler = Sampler(torch.device("cpu"), seed=1)
     n = 20000
     tokens = torch.tensor(
-        sampler(logits.expand(n, -1).clone(), [_row(SamplingParams())] * n).token_ids
+        _sample(sampler, logits.expand(n, -1).clone(), [_row(SamplingParams())] * n)
     )
     freq = torch.bincount(tokens, minlength=3).float() / n
     assert torch.allclose(freq, logits[0].softmax(-1), atol=0.015)
@@ -90,7 +96,7 @@ def test_min_tokens_bans_stop_tokens_only_while_short() -> None:
     sampler = Sampler(torch.device("cpu"), seed=0)
     logits = torch.tensor([[0.0, 10.0, 1.0]])
     row = SamplingRow(SamplingParams(temperature=0), [], [], None, (1,))
-    assert sampler(logits.clone(), [row]).token_ids == [2]
+    assert _sample(sampler, logits.clone(), [row]) == [2]
 
 
 @pytest.fixture(scope="module")

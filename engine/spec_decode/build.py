@@ -1,0 +1,81 @@
+"""Assemble an engine's speculator from its config (once, at start-up)."""
+
+from __future__ import annotations
+
+from collections.abc import Collection
+
+from engine.config import EngineConfig, EngineRuntime, default_spec_method
+from engine.model_runner import KVCacheLayout, ModelRunner
+from engine.spec_decode.draft_model import DraftModelProposer
+from engine.spec_decode.ngram import NgramProposer
+from engine.spec_decode.proposer import Proposer
+from engine.spec_decode.speculator import SpeculationConfig, Speculator
+from tandem.model_config import ModelConfig
+from tandem.sampling_params import SpecMethod
+
+
+def build_speculator(
+    config: EngineConfig,
+    runtime: EngineRuntime,
+    target: ModelConfig,
+    eos_token_ids: Collection[int],
+    num_blocks: int,
+) -> Speculator | None:
+    """``None`` when the engine is configured without speculation. The n-gram proposer is
+    always available once speculation is on; the draft one when a draft model is given."""
+    method = default_spec_method(config)
+    if method is None:
+        return None
+    proposers: dict[SpecMethod, Proposer] = {
+        SpecMethod.NGRAM: NgramProposer(config.ngram_min_n, config.ngram_max_n)
+    }
+    cost = {SpecMethod.NGRAM: 0.0}
+    if config.draft_model is not None:
+        draft = ModelConfig.from_dir(config.draft_model)
+        proposers[SpecMethod.DRAFT] = _draft_proposer(
+            config, runtime, target, draft, eos_token_ids, num_blocks
+        )
+        cost[SpecMethod.DRAFT] = flops_per_token(draft) / flops_per_token(target)
+    speculation = SpeculationConfig(
+        method,
+        config.num_speculative_tokens,
+        config.speculative_adaptive,
+        config.speculative_by_default,
+    )
+    return Speculator(speculation, proposers, cost)
+
+
+def flops_per_token(model: ModelConfig) -> int:
+    """Multiply-adds of one decode step per token (weights only; embeddings are lookups)."""
+    attention = model.hidden_size * (2 * model.q_size + 2 * model.kv_size)
+    mlp = 3 * model.hidden_size * model.intermediate_size
+    return model.num_layers * (attention + mlp) + model.hidden_size * model.vocab_size
+
+
+def _draft_proposer(
+    config: EngineConfig,
+    runtime: EngineRuntime,
+    target: ModelConfig,
+    draft: ModelConfig,
+    eos_token_ids: Collection[int],
+    num_blocks: int,
+) -> DraftModelProposer:
+    if draft.vocab_size != target.vocab_size:
+        raise ValueError(
+            f"draft_model's vocabulary ({draft.vocab_size}) differs from the target's "
+            f"({target.vocab_size}); a draft must share the target's tokenizer"
+        )
+    layout = KVCacheLayout(
+        runtime.block_size, draft.num_layers, draft.num_kv_heads, draft.head_dim, runtime.dtype
+    )
+    runner = ModelRunner(
+        config.draft_model,
+        draft,
+        layout,
+        runtime.backend,
+        runtime.linear_backend,
+        runtime.device,
+        eos_token_ids,
+        config.seed,
+    )
+    return DraftModelProposer(runner, num_blocks, runtime.block_size, config.seed)

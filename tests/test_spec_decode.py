@@ -1,0 +1,230 @@
+"""Speculative decoding: lossless (greedy output unchanged with every proposer, sampled
+output distributed as the target's), rolled back cleanly, adaptive."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+
+import engine.spec_decode.rejection as rejection
+from engine import LLM, SamplingParams
+from engine.spec_decode.adaptive import AdaptiveK, best_k
+from engine.spec_decode.ngram import lookup
+from tandem.sampling_params import SpecMethod, SpeculativeOptions
+from tests.hf_reference import random_prompts
+
+GREEDY = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def target(make_checkpoint: Callable[..., Path]) -> Path:
+    return make_checkpoint("llama")
+
+
+@pytest.fixture(scope="module")
+def draft(make_checkpoint: Callable[..., Path]) -> Path:
+    """A different random model of the same vocabulary: it disagrees with the target a lot."""
+    return make_checkpoint("llama", seed=1)
+
+
+@pytest.fixture(scope="module")
+def prompts() -> list[list[int]]:
+    plain = random_prompts(6, 4096, (10, 80), seed=1)
+    return plain + [p[:12] * 4 for p in plain[:3]]  # some that repeat themselves
+
+
+@pytest.fixture(scope="module")
+def reference(target: Path, prompts: list[list[int]]) -> list[list[int]]:
+    llm = LLM(target, dtype="float32", num_kv_blocks=512)
+    return [o.token_ids for o in llm.generate(prompts, GREEDY)]
+
+
+def _assert_clean(llm: LLM) -> None:
+    engine = llm.engine
+    assert not engine.has_unfinished_requests()
+    assert engine.block_pool.num_free_blocks == engine.num_kv_blocks
+    for proposer in engine.speculator.proposers.values():
+        kv = getattr(proposer, "kv", None)
+        if kv is not None:  # the draft's own pool: everything reclaimable once forgotten
+            assert not proposer._seqs
+            assert kv.pool.num_free_blocks == kv.pool.num_blocks
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        {"speculative_method": "ngram"},
+        {"speculative_method": "ngram", "speculative_adaptive": False},
+        {"speculative_method": "draft", "draft_model": "same"},
+        {"speculative_method": "draft", "draft_model": "other", "speculative_adaptive": False},
+    ],
+    ids=["ngram", "ngram-fixed-k", "draft-is-target", "other-draft-fixed-k"],
+)
+def test_greedy_output_is_unchanged(config, target, draft, prompts, reference) -> None:
+    config = dict(config)
+    if "draft_model" in config:
+        config["draft_model"] = str(target if config["draft_model"] == "same" else draft)
+    llm = LLM(target, dtype="float32", num_kv_blocks=512, **config)
+    assert [o.token_ids for o in llm.generate(prompts, GREEDY)] == reference
+    stats = llm.engine.speculator.stats
+    assert stats.num_verifications > 0
+    _assert_clean(llm)
+
+
+def test_draft_equal_to_target_accepts_everything(target, prompts, reference) -> None:
+    # A draft as big as the target is never worth it by the adaptive rule: fix k = 4.
+    llm = LLM(
+        target,
+        dtype="float32",
+        num_kv_blocks=512,
+        draft_model=str(target),
+        num_speculative_tokens=4,
+        speculative_adaptive=False,
+    )
+    outs = llm.generate(prompts, GREEDY)
+    stats = llm.engine.speculator.stats
+    assert stats.acceptance_rate == 1.0
+    assert stats.tokens_per_verification > 4.5  # k = 4 accepted + the bonus token
+    assert [o.token_ids for o in outs] == reference
+    # 40 tokens in steps of 5 (after the prefill step): far fewer target passes.
+    assert llm.engine.num_steps < 15
+
+
+def test_greedy_unchanged_under_preemption(target, draft, prompts, reference) -> None:
+    llm = LLM(
+        target,
+        dtype="float32",
+        block_size=8,
+        num_kv_blocks=24,
+        max_model_len=180,
+        draft_model=str(draft),
+        speculative_adaptive=False,
+    )
+    assert [o.token_ids for o in llm.generate(prompts, GREEDY)] == reference
+    assert llm.engine.scheduler.num_preemptions > 0
+    _assert_clean(llm)
+
+
+def test_requests_that_finish_inside_an_accepted_run(target, prompts, reference) -> None:
+    llm = LLM(
+        target,
+        dtype="float32",
+        num_kv_blocks=512,
+        draft_model=str(target),
+        speculative_adaptive=False,
+    )
+    prompt, full = prompts[0], reference[0]
+    # max_tokens that is not a multiple of k + 1, a stop token and a stop string inside a run
+    short = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=7, ignore_eos=True))
+    assert short[0].token_ids == full[:7] and short[0].finish_reason == "length"
+    stop_token = full[9]
+    cut = llm.generate(
+        [prompt],
+        SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, stop_token_ids=[stop_token]),
+    )
+    assert cut[0].token_ids == full[: full.index(stop_token) + 1]
+    plain = LLM(target, dtype="float32", num_kv_blocks=512)
+    text = plain.generate([prompt], GREEDY)[0].text
+    stop = text[len(text) // 2 :][:3]
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, stop=[stop])
+    assert llm.generate([prompt], params)[0].text == plain.generate([prompt], params)[0].text
+    assert llm.engine.speculator.stats.num_accepted_tokens > 0
+    _assert_clean(llm)
+
+
+def test_speculating_and_plain_requests_share_a_batch(target, prompts, reference) -> None:
+    llm = LLM(
+        target,
+        dtype="float32",
+        num_kv_blocks=512,
+        draft_model=str(target),
+        speculative_adaptive=False,
+    )
+    off = SamplingParams(
+        temperature=0, max_tokens=40, ignore_eos=True, speculative=SpeculativeOptions(enabled=False)
+    )
+    ngram = SamplingParams(
+        temperature=0,
+        max_tokens=40,
+        ignore_eos=True,
+        speculative=SpeculativeOptions(method=SpecMethod.NGRAM, num_tokens=2),
+    )
+    params = [GREEDY, off, ngram] * 3
+    assert [o.token_ids for o in llm.generate(prompts, params)] == reference
+    _assert_clean(llm)
+
+
+def test_seeded_sampling_with_speculation_is_reproducible(target, draft, prompts) -> None:
+    llm = LLM(target, dtype="float32", num_kv_blocks=512, draft_model=str(draft))
+    seeded = SamplingParams(temperature=0.9, top_p=0.95, seed=11, max_tokens=24, ignore_eos=True)
+    alone = llm.generate([prompts[1]], seeded)[0].token_ids
+    mixed = llm.generate(
+        [prompts[2], prompts[1], prompts[3]],
+        [SamplingParams(temperature=1.0, max_tokens=30), seeded, GREEDY],
+    )
+    assert mixed[1].token_ids == alone
+    _assert_clean(llm)
+
+
+# --- rejection sampling keeps the target distribution ---------------------------------
+
+VOCAB = 6
+P = torch.tensor([0.35, 0.25, 0.2, 0.1, 0.07, 0.03])  # target
+Q = torch.tensor([0.05, 0.1, 0.15, 0.2, 0.2, 0.3])  # draft: very different
+CHI2_CRITICAL = 20.52  # df = 5, p = 0.001
+
+
+def _first_tokens(n: int, with_q: bool) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(0)
+    p = torch.stack([P, P])
+    counts = torch.zeros(VOCAB)
+    for _ in range(n):
+        if with_q:
+            draft = int(torch.multinomial(Q, 1, generator=gen))
+            q = Q.unsqueeze(0)
+        else:  # a deterministic proposer always guesses token 3
+            draft, q = 3, None
+        counts[rejection.verify_sampled(p, (draft,), q, gen)[0]] += 1
+    return counts
+
+
+def _chi2(counts: torch.Tensor) -> float:
+    expected = P * counts.sum()
+    return float(((counts - expected) ** 2 / expected).sum())
+
+
+@pytest.mark.parametrize("with_q", [True, False], ids=["draft-model", "point-mass"])
+def test_rejection_sampling_follows_the_target_distribution(with_q: bool) -> None:
+    assert _chi2(_first_tokens(20000, with_q)) < CHI2_CRITICAL
+
+
+@pytest.mark.parametrize("with_q", [True, False], ids=["draft-model", "point-mass"])
+def test_the_chi_square_test_catches_a_missing_residual(monkeypatch, with_q: bool) -> None:
+    # Resampling from p itself instead of the residual biases towards the draft: the same
+    # test must reject it, or it proves nothing.
+    monkeypatch.setattr(rejection, "residual", lambda p, q, draft: p)
+    assert _chi2(_first_tokens(20000, with_q)) > CHI2_CRITICAL
+
+
+# --- proposers and the adaptive k ----------------------------------------------------
+
+
+def test_ngram_lookup_continues_the_latest_longest_match() -> None:
+    import numpy as np
+
+    tokens = np.array([5, 6, 7, 8, 9, 1, 6, 7, 2, 3, 6, 7])
+    assert lookup(tokens, 3, 1, 3) == [2, 3, 6]  # "6 7" last seen before "2 3 6"
+    assert lookup(np.array([1, 2, 3]), 3, 1, 3) == []
+
+
+def test_adaptive_k_backs_off_and_probes_again() -> None:
+    assert best_k(0.0, 4, 0.2) == 0
+    assert best_k(0.95, 4, 0.05) == 4
+    controller = AdaptiveK(k_max=4)
+    for _ in range(30):
+        controller.observe(proposed=4, accepted=0)
+    ks = [controller.next_k(0.3) for _ in range(32)]
+    assert set(ks) == {0, 1} and ks.count(1) == 2  # a probe every 16 steps
