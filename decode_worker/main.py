@@ -12,17 +12,26 @@ from engine.llm_engine import LLMEngine
 from kvtransfer.layout import KVLayout
 from kvtransfer.receiver import KVReceiver
 from protos import worker_pb2, worker_pb2_grpc
+from tandem.kv_event_publisher import KVEventPublisher
 from tandem.registry import WorkerCapacity, WorkerInfo, WorkerRole
 from tandem.worker_host import WorkerOptions, host_worker
 from tandem.worker_load import worker_load
 
 
 async def run(options: WorkerOptions, stop: asyncio.Event | None = None) -> None:
-    engine = LLMEngine(EngineConfig(model=options.model_dir, **options.engine), detokenize=False)
+    kv_events = KVEventPublisher(options.redis_url, options.model_name, options.worker_id)
+    kv_events.start()
+    engine = LLMEngine(
+        EngineConfig(model=options.model_dir, **options.engine),
+        on_kv_events=kv_events.on_engine_events,
+        detokenize=False,
+    )
     layout = KVLayout(model=options.model_name, **dataclasses.asdict(engine.runner.layout))
     receiver = KVReceiver(layout, options.worker_id, engine.runtime.device)
     async_engine = AsyncEngine(engine)
-    service = DecodeService(async_engine, receiver, options.worker_id, options.kv_pull_timeout_s)
+    service = DecodeService(
+        async_engine, receiver, options.worker_id, options.kv_pull_timeout_s, kv_events
+    )
     async_engine.on_kv_pull = service.pull
     async_engine.start()
     capacity = WorkerCapacity(
@@ -46,3 +55,4 @@ async def run(options: WorkerOptions, stop: asyncio.Event | None = None) -> None
     finally:
         await receiver.close()
         await async_engine.stop()
+        await kv_events.aclose()

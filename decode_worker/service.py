@@ -25,6 +25,8 @@ from kvtransfer.blocks import unpack_blocks
 from kvtransfer.errors import KVPullFailed, LeaseCallFailed
 from kvtransfer.receiver import KVReceiver
 from protos import worker_pb2, worker_pb2_grpc
+from tandem.kv_event_publisher import KVEventPublisher
+from tandem.kv_event_wire import snapshot_to_proto
 from tandem.wire import FINISH_REASON_TO_PROTO, logprobs_to_proto, sampling_from_proto
 from tandem.worker_load import worker_status
 
@@ -42,9 +44,17 @@ class _PendingPull:
 
 class DecodeService(worker_pb2_grpc.DecodeWorkerServicer):
     def __init__(
-        self, engine: AsyncEngine, receiver: KVReceiver, worker_id: str, pull_timeout_s: float
+        self,
+        engine: AsyncEngine,
+        receiver: KVReceiver,
+        worker_id: str,
+        pull_timeout_s: float,
+        kv_events: KVEventPublisher | None = None,
     ) -> None:
+        """``kv_events``: the publisher of this worker's prefix-cache events, whose
+        numbering ``ListCachedBlocks`` snapshots are stamped with."""
         self.engine = engine
+        self.kv_events = kv_events
         self.receiver = receiver
         self.worker_id = worker_id
         self.pull_timeout_s = pull_timeout_s
@@ -109,6 +119,13 @@ class DecodeService(worker_pb2_grpc.DecodeWorkerServicer):
         status.kv_blocks_received = self.receiver.stats.blocks
         status.num_fallbacks = self.num_fallbacks
         return status
+
+    async def ListCachedBlocks(
+        self, request: worker_pb2.ListCachedBlocksRequest, context: grpc.aio.ServicerContext
+    ) -> worker_pb2.CachedBlocks:
+        if self.kv_events is None:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "KV events are off")
+        return snapshot_to_proto(await self.kv_events.snapshot_of(self.engine))
 
     # --- the pull ----------------------------------------------------------------------
 

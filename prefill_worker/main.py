@@ -14,19 +14,28 @@ from kvtransfer.sender import KVSender
 from kvtransfer.service import KVTransferServicer
 from prefill_worker.service import PrefillService
 from protos import kv_transfer_pb2, kv_transfer_pb2_grpc, worker_pb2, worker_pb2_grpc
+from tandem.kv_event_publisher import KVEventPublisher
 from tandem.registry import WorkerCapacity, WorkerInfo, WorkerRole
 from tandem.worker_host import WorkerOptions, host_worker
 from tandem.worker_load import worker_load
 
 
 async def run(options: WorkerOptions, stop: asyncio.Event | None = None) -> None:
-    engine = LLMEngine(EngineConfig(model=options.model_dir, **options.engine), detokenize=False)
+    kv_events = KVEventPublisher(options.redis_url, options.model_name, options.worker_id)
+    kv_events.start()
+    engine = LLMEngine(
+        EngineConfig(model=options.model_dir, **options.engine),
+        on_kv_events=kv_events.on_engine_events,
+        detokenize=False,
+    )
     async_engine = AsyncEngine(engine)
     async_engine.start()
     layout = KVLayout(model=options.model_name, **dataclasses.asdict(engine.runner.layout))
     sender = KVSender(layout, engine.runner.kv_caches, options.public_host, 0, options.worker_id)
     leases = LeaseTable()
-    service = PrefillService(async_engine, leases, sender, options.worker_id, options.lease_ttl_s)
+    service = PrefillService(
+        async_engine, leases, sender, options.worker_id, options.lease_ttl_s, kv_events
+    )
     kv_service = KVTransferServicer(sender, leases, service.lease_ended)
     capacity = WorkerCapacity(
         engine.num_kv_blocks, engine.runtime.block_size, engine.config.max_num_seqs
@@ -58,3 +67,4 @@ async def run(options: WorkerOptions, stop: asyncio.Event | None = None) -> None
         sweeper.cancel()
         await asyncio.to_thread(sender.close)
         await async_engine.stop()
+        await kv_events.aclose()

@@ -21,6 +21,8 @@ from engine.request import PrefillMode
 from kvtransfer.leases import EndedLease, LeaseTable
 from kvtransfer.sender import KVSender
 from protos import worker_pb2, worker_pb2_grpc
+from tandem.kv_event_publisher import KVEventPublisher
+from tandem.kv_event_wire import snapshot_to_proto
 from tandem.sampling_params import SamplingParams
 from tandem.wire import FINISH_REASON_TO_PROTO, logprobs_to_proto, sampling_from_proto
 from tandem.worker_load import worker_status
@@ -38,8 +40,12 @@ class PrefillService(worker_pb2_grpc.PrefillWorkerServicer):
         sender: KVSender,
         worker_id: str,
         lease_ttl_s: float,
+        kv_events: KVEventPublisher | None = None,
     ) -> None:
+        """``kv_events``: the publisher of this worker's prefix-cache events, whose
+        numbering ``ListCachedBlocks`` snapshots are stamped with."""
         self.engine = engine
+        self.kv_events = kv_events
         self.leases = leases
         self.sender = sender
         self.worker_id = worker_id
@@ -91,6 +97,13 @@ class PrefillService(worker_pb2_grpc.PrefillWorkerServicer):
         status.num_leases = len(self.leases)
         status.kv_blocks_sent = self.sender.blocks_sent
         return status
+
+    async def ListCachedBlocks(
+        self, request: worker_pb2.ListCachedBlocksRequest, context: grpc.aio.ServicerContext
+    ) -> worker_pb2.CachedBlocks:
+        if self.kv_events is None:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "KV events are off")
+        return snapshot_to_proto(await self.kv_events.snapshot_of(self.engine))
 
     def lease_ended(self, lease: EndedLease) -> None:
         """Hand a lease's blocks back to the engine (on the event loop; never blocks)."""

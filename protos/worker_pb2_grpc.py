@@ -49,6 +49,11 @@ class PrefillWorkerStub:
                 request_serializer=protos_dot_worker__pb2.StatusRequest.SerializeToString,
                 response_deserializer=protos_dot_worker__pb2.WorkerStatus.FromString,
                 _registered_method=True)
+        self.ListCachedBlocks = channel.unary_unary(
+                '/tandem.v1.PrefillWorker/ListCachedBlocks',
+                request_serializer=protos_dot_worker__pb2.ListCachedBlocksRequest.SerializeToString,
+                response_deserializer=protos_dot_worker__pb2.CachedBlocks.FromString,
+                _registered_method=True)
 
 
 class PrefillWorkerServicer:
@@ -74,6 +79,13 @@ class PrefillWorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ListCachedBlocks(self, request, context):
+        """A snapshot of the prefix cache, for a router whose KV index missed events.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_PrefillWorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -91,6 +103,11 @@ def add_PrefillWorkerServicer_to_server(servicer, server):
                     servicer.GetStatus,
                     request_deserializer=protos_dot_worker__pb2.StatusRequest.FromString,
                     response_serializer=protos_dot_worker__pb2.WorkerStatus.SerializeToString,
+            ),
+            'ListCachedBlocks': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListCachedBlocks,
+                    request_deserializer=protos_dot_worker__pb2.ListCachedBlocksRequest.FromString,
+                    response_serializer=protos_dot_worker__pb2.CachedBlocks.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -184,6 +201,33 @@ class PrefillWorker:
             metadata,
             _registered_method=True)
 
+    @staticmethod
+    def ListCachedBlocks(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tandem.v1.PrefillWorker/ListCachedBlocks',
+            protos_dot_worker__pb2.ListCachedBlocksRequest.SerializeToString,
+            protos_dot_worker__pb2.CachedBlocks.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
 
 class DecodeWorkerStub:
     """Missing associated documentation comment in .proto file."""
@@ -208,6 +252,11 @@ class DecodeWorkerStub:
                 '/tandem.v1.DecodeWorker/GetStatus',
                 request_serializer=protos_dot_worker__pb2.StatusRequest.SerializeToString,
                 response_deserializer=protos_dot_worker__pb2.WorkerStatus.FromString,
+                _registered_method=True)
+        self.ListCachedBlocks = channel.unary_unary(
+                '/tandem.v1.DecodeWorker/ListCachedBlocks',
+                request_serializer=protos_dot_worker__pb2.ListCachedBlocksRequest.SerializeToString,
+                response_deserializer=protos_dot_worker__pb2.CachedBlocks.FromString,
                 _registered_method=True)
 
 
@@ -234,6 +283,12 @@ class DecodeWorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ListCachedBlocks(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_DecodeWorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -251,6 +306,11 @@ def add_DecodeWorkerServicer_to_server(servicer, server):
                     servicer.GetStatus,
                     request_deserializer=protos_dot_worker__pb2.StatusRequest.FromString,
                     response_serializer=protos_dot_worker__pb2.WorkerStatus.SerializeToString,
+            ),
+            'ListCachedBlocks': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListCachedBlocks,
+                    request_deserializer=protos_dot_worker__pb2.ListCachedBlocksRequest.FromString,
+                    response_serializer=protos_dot_worker__pb2.CachedBlocks.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -334,6 +394,33 @@ class DecodeWorker:
             '/tandem.v1.DecodeWorker/GetStatus',
             protos_dot_worker__pb2.StatusRequest.SerializeToString,
             protos_dot_worker__pb2.WorkerStatus.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListCachedBlocks(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tandem.v1.DecodeWorker/ListCachedBlocks',
+            protos_dot_worker__pb2.ListCachedBlocksRequest.SerializeToString,
+            protos_dot_worker__pb2.CachedBlocks.FromString,
             options,
             channel_credentials,
             insecure,
