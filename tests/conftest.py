@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import os
+import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+import redis
 
 from tandem.redis_server import resolve_redis_url
 
@@ -23,6 +25,19 @@ def redis_url() -> Iterator[str]:
     finally:
         if server is not None:
             server.stop()
+
+
+@pytest.fixture
+def prefix(redis_url: str) -> Iterator[str]:
+    """A key prefix of this test's own, so tests sharing one Redis never meet.
+
+    Its keys are deleted afterwards: CI's Redis outlives the test session.
+    """
+    prefix = f"test-{uuid.uuid4().hex[:8]}:"
+    yield prefix
+    with redis.Redis.from_url(redis_url) as client:
+        for key in client.scan_iter(match=f"{prefix}*"):
+            client.delete(key)
 
 
 @pytest.fixture(scope="session")

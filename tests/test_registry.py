@@ -6,8 +6,7 @@ import asyncio
 import json
 import logging
 import time
-import uuid
-from collections.abc import Callable, Coroutine, Iterator
+from collections.abc import Callable, Coroutine
 from typing import Any
 
 import pytest
@@ -32,19 +31,6 @@ pytestmark = pytest.mark.timeout(60)
 
 MODEL = "tiny-llama"
 FAST_POLL_S = 0.1
-
-
-@pytest.fixture
-def prefix(redis_url: str) -> Iterator[str]:
-    """A key prefix of this test's own, so tests sharing one Redis never meet.
-
-    Its keys are deleted afterwards: CI's Redis outlives the test session.
-    """
-    prefix = f"test-{uuid.uuid4().hex[:8]}:"
-    yield prefix
-    with redis.Redis.from_url(redis_url) as client:
-        for key in client.scan_iter(match=f"{prefix}*"):
-            client.delete(key)
 
 
 def run(coro: Coroutine[Any, Any, None]) -> None:
