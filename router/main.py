@@ -3,18 +3,28 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import logging
 from dataclasses import dataclass
 
 from protos import generation_pb2, generation_pb2_grpc
 from router.clients import WorkerClients
+from router.inflight import InflightLoad
+from router.kv_event_consumer import KVEventConsumer, grpc_snapshot_fetcher
+from router.kv_indexer import KVIndexer
+from router.metrics import RouterMetrics, render_metrics
 from router.orchestrator import Orchestrator, OrchestratorConfig
 from router.policy import PolicyName, make_policy
+from router.prefix_policy import PrefixCost
 from router.service import GenerationService
 from router.validation import RequestValidator
 from tandem.grpc_server import start_server
+from tandem.metrics_text import serve_metrics
 from tandem.process import stop_on_signals
-from tandem.registry import RegistryWatcher, WorkerRecord
+from tandem.registry import RegistryWatcher, WorkerRecord, WorkerRole
 from tandem.tokenizer import Tokenizer
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -24,31 +34,80 @@ class RouterOptions:
     redis_url: str
     host: str = "127.0.0.1"
     port: int = 50051
-    prefill_policy: PolicyName = PolicyName.LEAST_LOADED
-    decode_policy: PolicyName = PolicyName.LEAST_LOADED
+    prefill_policy: PolicyName = PolicyName.PREFIX_AWARE
+    decode_policy: PolicyName = PolicyName.PREFIX_AWARE
+    prefill_cost: PrefixCost | None = None
+    """Prefix-aware weights for the prefill pool (``None``: the defaults)."""
+    decode_cost: PrefixCost | None = None
     disaggregation_min_tokens: int = 32
     max_pending_requests: int = 1024
     max_model_len: int | None = None
+    metrics_port: int | None = None
+    """Serve Prometheus ``GET /metrics`` here (0: a free port); ``None``: no endpoint."""
 
 
-async def run(options: RouterOptions, stop: asyncio.Event | None = None) -> None:
+@dataclass
+class RouterState:
+    """What a running router exposes to whoever started it in-process (tests, benches)."""
+
+    orchestrator: Orchestrator
+    indexer: KVIndexer | None
+    metrics: RouterMetrics
+    port: int
+    metrics_port: int | None
+
+
+async def run(
+    options: RouterOptions,
+    stop: asyncio.Event | None = None,
+    started: asyncio.Future[RouterState] | None = None,
+) -> None:
+    """Serve until ``stop`` (default: SIGINT/SIGTERM); ``started`` gets the live state."""
     stop = stop or stop_on_signals()
     clients = WorkerClients()
+    metrics = RouterMetrics()
+    inflight = InflightLoad()
+    prefill_policy = make_policy(options.prefill_policy, WorkerRole.PREFILL, options.prefill_cost)
+    decode_policy = make_policy(options.decode_policy, WorkerRole.DECODE, options.decode_cost)
+    indexer: KVIndexer | None = None
+    consumer: KVEventConsumer | None = None
+    if prefill_policy.uses_prefix_match or decode_policy.uses_prefix_match:
+        indexer = KVIndexer()
+        consumer = KVEventConsumer(
+            options.redis_url,
+            options.model_name,
+            indexer,
+            grpc_snapshot_fetcher(clients),
+            metrics,
+        )
+        await consumer.start()  # before the registry's first read, whose joins snapshot
     background: set[asyncio.Task[None]] = set()
 
+    def on_join(worker: WorkerRecord) -> None:
+        if consumer is not None:
+            consumer.worker_joined(worker)
+
     def on_leave(worker: WorkerRecord) -> None:
+        if consumer is not None:
+            consumer.worker_left(worker)
+        inflight.forget(worker.info.worker_id)
         task = asyncio.get_running_loop().create_task(clients.forget(worker))
         background.add(task)
         task.add_done_callback(background.discard)
 
-    watcher = RegistryWatcher(options.redis_url, options.model_name, on_leave=on_leave)
+    watcher = RegistryWatcher(
+        options.redis_url, options.model_name, on_join=on_join, on_leave=on_leave
+    )
     await watcher.start()
     orchestrator = Orchestrator(
         watcher,
         clients,
-        make_policy(options.prefill_policy),
-        make_policy(options.decode_policy),
+        prefill_policy,
+        decode_policy,
         OrchestratorConfig(disaggregation_min_tokens=options.disaggregation_min_tokens),
+        indexer=indexer,
+        inflight=inflight,
+        metrics=metrics,
     )
     validator = RequestValidator.from_dir(
         options.model_dir, options.model_name, options.max_model_len
@@ -62,10 +121,28 @@ async def run(options: RouterOptions, stop: asyncio.Event | None = None) -> None
         [lambda s: generation_pb2_grpc.add_GenerationServicer_to_server(service, s)],
         [generation_pb2.DESCRIPTOR.services_by_name["Generation"].full_name],
     )
+    metrics_server = None
+    metrics_port = None
+    if options.metrics_port is not None:
+        metrics_server = await serve_metrics(
+            options.host,
+            options.metrics_port,
+            lambda: render_metrics(metrics, watcher, indexer, inflight),
+        )
+        metrics_port = metrics_server.sockets[0].getsockname()[1]
+        log.info("metrics at http://%s:%d/metrics", options.host, metrics_port)
+    if started is not None:
+        started.set_result(RouterState(orchestrator, indexer, metrics, server.port, metrics_port))
     print(f"READY router {options.host}:{server.port}", flush=True)
     try:
         await stop.wait()
     finally:
         await server.stop()
+        if metrics_server is not None:
+            metrics_server.close()
+            with contextlib.suppress(Exception):
+                await metrics_server.wait_closed()
         await watcher.stop()
+        if consumer is not None:
+            await consumer.stop()
         await clients.close()

@@ -13,6 +13,13 @@
    the worker streams, which aborts the request on the workers and frees its blocks;
    a lease that no decode worker took is released with ``Abort`` on its prefill worker.
 
+Routing: a request's chained block hashes are computed once (with the workers' block
+size, only when a policy reads them); before each pick the KV index is asked which
+workers hold the prompt's prefix, and the pool's reported load is merged with the work
+this router has in flight (``router.inflight``). The policy decides on that snapshot;
+this module records the decision's time, the prefix hits the workers report, and the
+in-flight work until it finishes.
+
 Torch-free. The policies decide; this module only dispatches and recovers.
 """
 
@@ -20,17 +27,23 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 import grpc
 
 from protos import common_pb2, worker_pb2
 from router.clients import WorkerClients
+from router.inflight import InflightLoad
+from router.kv_indexer import KVIndexer
+from router.live_pools import LivePools
+from router.metrics import RouterMetrics
 from router.policy import RoutingPolicy, RoutingRequest
 from router.validation import ValidatedRequest
+from tandem.hashing import hash_blocks
 from tandem.registry import RegistryWatcher, WorkerRecord, WorkerRole
 from tandem.wire import FINISH_REASON_FROM_PROTO, sampling_to_proto
 
@@ -76,6 +89,14 @@ class RequestTrace:
     kv_source: int = worker_pb2.KV_SOURCE_UNSPECIFIED
     blocks_pulled: int = 0
     first_token_at: float | None = None
+    predicted_prefix_blocks: int = 0
+    """What the KV index said the chosen prefill worker holds of the prompt."""
+
+
+@dataclass(frozen=True)
+class _Pick:
+    worker: WorkerRecord
+    matched_blocks: int  # the index's answer for this worker (0 without an index)
 
 
 class Orchestrator:
@@ -86,21 +107,38 @@ class Orchestrator:
         prefill_policy: RoutingPolicy,
         decode_policy: RoutingPolicy,
         config: OrchestratorConfig,
+        indexer: KVIndexer | None = None,
+        inflight: InflightLoad | None = None,
+        metrics: RouterMetrics | None = None,
     ) -> None:
+        """``indexer``: the KV index prefix-aware policies read (``None``: they see no
+        cached prefixes). ``inflight`` and ``metrics`` default to fresh ones."""
         self.watcher = watcher
         self.clients = clients
         self.prefill_policy = prefill_policy
         self.decode_policy = decode_policy
         self.config = config
+        self.indexer = indexer
+        self.inflight = inflight or InflightLoad()
+        self.metrics = metrics or RouterMetrics()
+        self.pools = LivePools(
+            watcher,
+            self.inflight,
+            {
+                WorkerRole.PREFILL: prefill_policy.load_key,
+                WorkerRole.DECODE: decode_policy.load_key,
+            },
+        )
+        self._uses_index = indexer is not None and (
+            prefill_policy.uses_prefix_match or decode_policy.uses_prefix_match
+        )
         self._background: set[asyncio.Future[None]] = set()
 
     async def run(
         self, request: ValidatedRequest, trace: RequestTrace, deadline: float | None
     ) -> AsyncIterator[TokenChunk]:
         """Yield the request's tokens; ``deadline`` is a ``time.monotonic()`` instant."""
-        routing = RoutingRequest(
-            request.request_id, request.num_prompt_tokens, (), request.priority
-        )
+        routing = self._routing_request(request)
         produced: list[int] = []
         handle = None
         try:
@@ -139,9 +177,14 @@ class Orchestrator:
         )
         tried: set[str] = set()
         for _ in range(self.config.max_prefill_attempts):
-            worker = self._pick(WorkerRole.PREFILL, self.prefill_policy, routing, tried)
-            if worker is None:
+            pick = self._pick(WorkerRole.PREFILL, self.prefill_policy, routing, tried)
+            if pick is None:
                 return None
+            worker = pick.worker
+            cached = pick.matched_blocks * worker.info.capacity.block_size
+            ticket = self.pools.begin_prefill(
+                worker.info.worker_id, max(1, request.num_prompt_tokens - cached)
+            )
             try:
                 response = await self.clients.prefill(worker).Prefill(
                     message, timeout=_remaining(deadline)
@@ -154,8 +197,12 @@ class Orchestrator:
                 )
                 tried.add(worker.info.worker_id)
                 continue
+            finally:
+                self.pools.end(ticket)
             trace.prefill_worker = worker.info.worker_id
             trace.cached_prompt_tokens = response.cached_prompt_tokens
+            trace.predicted_prefix_blocks = pick.matched_blocks
+            self.metrics.prefilled(request.num_prompt_tokens, response.cached_prompt_tokens, cached)
             return response
         return None
 
@@ -189,10 +236,15 @@ class Orchestrator:
     ) -> AsyncIterator[TokenChunk]:
         tried: set[str] = set()
         for _ in range(self.config.max_decode_attempts):
-            worker = self._pick(WorkerRole.DECODE, self.decode_policy, routing, tried)
-            if worker is None:
+            pick = self._pick(WorkerRole.DECODE, self.decode_policy, routing, tried)
+            if pick is None:
                 break
+            worker = pick.worker
             trace.decode_workers.append(worker.info.worker_id)
+            num_tokens = request.num_prompt_tokens + request.sampling.max_tokens
+            ticket = self.pools.begin_decode(
+                worker.info.worker_id, -(-num_tokens // worker.info.capacity.block_size)
+            )
             message = worker_pb2.DecodeRequest(
                 request_id=request.request_id,
                 prompt_token_ids=request.prompt_token_ids,
@@ -222,6 +274,7 @@ class Orchestrator:
                 )
             finally:
                 call.cancel()
+                self.pools.end(ticket)
             tried.add(worker.info.worker_id)
             handle = None  # the next worker recomputes prompt + produced tokens itself
         raise NoWorkerAvailable("no decode worker is available for this model")
@@ -230,8 +283,31 @@ class Orchestrator:
         if response.kv_source != worker_pb2.KV_SOURCE_UNSPECIFIED:
             trace.kv_source = response.kv_source
             trace.blocks_pulled = response.blocks_pulled
+            self.metrics.kv_blocks_pulled += response.blocks_pulled
             if trace.prefill_worker is None:
                 trace.cached_prompt_tokens = response.cached_prompt_tokens
+
+    # --- routing -----------------------------------------------------------------------
+
+    def _routing_request(self, request: ValidatedRequest) -> RoutingRequest:
+        """The policies' view of ``request``, with its block hashes when an index is read."""
+        hashes: tuple = ()
+        block_size = self._block_size() if self._uses_index else None
+        if block_size is not None:
+            start = time.perf_counter()
+            hashes = tuple(hash_blocks(request.prompt_token_ids, block_size))
+            self.metrics.hashed(time.perf_counter() - start)
+        return RoutingRequest(
+            request.request_id, request.num_prompt_tokens, hashes, request.priority
+        )
+
+    def _block_size(self) -> int | None:
+        """The workers' block size (the KV handshake makes it one per model)."""
+        for role in (WorkerRole.PREFILL, WorkerRole.DECODE):
+            workers = self.watcher.workers(role)
+            if workers:
+                return workers[0].info.capacity.block_size
+        return None
 
     def _pick(
         self,
@@ -239,14 +315,21 @@ class Orchestrator:
         policy: RoutingPolicy,
         routing: RoutingRequest,
         exclude: set[str],
-    ) -> WorkerRecord | None:
-        candidates: Sequence[WorkerRecord] = [
-            w for w in self.watcher.workers(role) if w.info.worker_id not in exclude
-        ]
-        choice = policy.select(routing, candidates)
-        if choice is not None:
-            policy.record(routing, choice)
-        return choice
+    ) -> _Pick | None:
+        """Choose (on the current snapshot) and record; no ``await`` in between."""
+        start = time.perf_counter()
+        pool = self.pools.view(role, exclude)
+        if policy.uses_prefix_match and self.indexer is not None and routing.block_hashes:
+            routing = dataclasses.replace(
+                routing, matched_blocks=self.indexer.overlap(routing.block_hashes)
+            )
+        choice = policy.choose(routing, pool)
+        if choice is None:
+            return None
+        policy.record(routing, choice)
+        matched = routing.matched_blocks.get(choice.info.worker_id, 0)
+        self.metrics.decided(time.perf_counter() - start)
+        return _Pick(choice, matched)
 
 
 def _worker_sampling(request: ValidatedRequest) -> common_pb2.SamplingParams:

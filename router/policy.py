@@ -1,25 +1,34 @@
 """Routing policies: which worker of a pool gets a request.
 
-A policy answers one question, ``select(request, candidates)``, and answers it purely:
-it reads the request and a snapshot of the pool's workers (``WorkerRecord``s, as the
-registry watcher hands them out) and changes nothing. A policy that keeps state (the
-round-robin cursor) changes it only in ``record(request, choice)``, which the caller
-invokes once it has committed to a choice. So a test can ask "what would you pick?"
-any number of times, and a dispatch that fails before it is committed leaves no trace.
+A policy answers one question and answers it purely: ``choose(request, pool)`` reads
+the request and a read-only view of one pool (``router.pool_view.PoolView``) and
+changes nothing; ``select(request, candidates)`` is the same question over a plain
+list of ``WorkerRecord``s (as the registry watcher hands them out). A policy that keeps
+state (the round-robin cursor) changes it only in ``record(request, choice)``, which
+the caller invokes once it has committed to a choice. So a test can ask "what would
+you pick?" any number of times, and a dispatch that fails before it is committed
+leaves no trace.
 
 Use one policy instance per pool (prefill, decode): state such as a cursor belongs to
-the pool it walks. A prefix-aware policy fits the same interface: it reads
-``request.block_hashes`` and the candidates, and takes its read-only KV-event index in
-its constructor (the index is fed by workers' events, never by the policy).
+the pool it walks. The prefix-aware policy (``router.prefix_policy``) reads
+``request.matched_blocks`` — the KV index's answer for this prompt, computed by the
+caller right before it asks — so its decision too is a pure function of (request,
+pool snapshot, index answer).
+
+Policies (``--prefill-policy`` / ``--decode-policy``): ``round_robin``,
+``least_loaded``, ``prefix_aware`` (the default).
 """
 
 from __future__ import annotations
 
 import enum
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Protocol
 
+from router.kv_index import EMPTY_MATCH
+from router.pool_view import ListPool, PoolView
+from router.prefix_policy import PrefixAwarePolicy, PrefixCost
 from tandem.hashing import BlockHash
 from tandem.registry import WorkerLoad, WorkerRecord, WorkerRole
 
@@ -27,6 +36,7 @@ from tandem.registry import WorkerLoad, WorkerRecord, WorkerRole
 class PolicyName(enum.Enum):
     ROUND_ROBIN = "round_robin"
     LEAST_LOADED = "least_loaded"
+    PREFIX_AWARE = "prefix_aware"
 
 
 @dataclass(frozen=True)
@@ -35,13 +45,16 @@ class RoutingRequest:
 
     ``block_hashes`` are the chained hashes of the prompt's full blocks
     (``tandem.hashing.hash_blocks``), empty when no policy in use needs them.
-    ``priority``: lower runs first, as in ``GenerateRequest``.
+    ``priority``: lower runs first, as in ``GenerateRequest``. ``matched_blocks`` is
+    the KV index's answer for ``block_hashes``: worker id -> leading blocks of the
+    prompt that worker holds (absent: none); empty when no index is consulted.
     """
 
     request_id: str
     num_prompt_tokens: int
     block_hashes: tuple[BlockHash, ...] = ()
     priority: int = 0
+    matched_blocks: Mapping[str, int] = field(default_factory=lambda: EMPTY_MATCH, compare=False)
 
     def __post_init__(self) -> None:
         if self.num_prompt_tokens < 0:
@@ -50,6 +63,18 @@ class RoutingRequest:
 
 class RoutingPolicy(Protocol):
     """Picks a worker for a request from a snapshot of one pool."""
+
+    uses_prefix_match: bool
+    """Whether ``choose`` reads ``request.matched_blocks`` (the caller then fills it)."""
+
+    def load_key(self, record: WorkerRecord) -> tuple:
+        """The order in which this policy wants a pool view to rank workers (see
+        ``router.pool_view``)."""
+        ...
+
+    def choose(self, request: RoutingRequest, pool: PoolView) -> WorkerRecord | None:
+        """The chosen worker, or ``None`` only when the pool is empty. Pure."""
+        ...
 
     def select(
         self, request: RoutingRequest, candidates: Sequence[WorkerRecord]
@@ -79,19 +104,21 @@ class RoundRobin:
     candidate whose id sorts after the cursor, wrapping around to the smallest id.
     """
 
+    uses_prefix_match = False
+
     def __init__(self) -> None:
         self._last_worker_id: str | None = None  # None: nothing recorded yet
+
+    def load_key(self, record: WorkerRecord) -> tuple:
+        return load_key(record)
+
+    def choose(self, request: RoutingRequest, pool: PoolView) -> WorkerRecord | None:
+        return pool.first_after(self._last_worker_id)
 
     def select(
         self, request: RoutingRequest, candidates: Sequence[WorkerRecord]
     ) -> WorkerRecord | None:
-        if not candidates:
-            return None
-        first = min(candidates, key=_worker_id)
-        if self._last_worker_id is None:
-            return first
-        after = [c for c in candidates if c.info.worker_id > self._last_worker_id]
-        return min(after, key=_worker_id) if after else first
+        return self.choose(request, ListPool(candidates))
 
     def record(self, request: RoutingRequest, choice: WorkerRecord) -> None:
         self._last_worker_id = choice.info.worker_id
@@ -106,10 +133,19 @@ class LeastLoaded:
     to the smallest worker id, so equal loads always give the same answer.
     """
 
+    uses_prefix_match = False
+
+    def load_key(self, record: WorkerRecord) -> tuple:
+        return load_key(record)
+
+    def choose(self, request: RoutingRequest, pool: PoolView) -> WorkerRecord | None:
+        best = pool.cheapest(1)
+        return best[0] if best else None
+
     def select(
         self, request: RoutingRequest, candidates: Sequence[WorkerRecord]
     ) -> WorkerRecord | None:
-        return min(candidates, key=load_key, default=None)
+        return self.choose(request, ListPool(candidates, load_key))
 
     def record(self, request: RoutingRequest, choice: WorkerRecord) -> None:
         """Nothing to remember: the next load report reflects the request."""
@@ -124,15 +160,16 @@ def load_key(record: WorkerRecord) -> tuple[float, int, str]:
     return (-free_share, load.num_running_seqs, record.info.worker_id)
 
 
-def make_policy(name: PolicyName) -> RoutingPolicy:
-    """A fresh policy; make one per worker pool."""
+def make_policy(
+    name: PolicyName, role: WorkerRole = WorkerRole.PREFILL, cost: PrefixCost | None = None
+) -> RoutingPolicy:
+    """A fresh policy for the pool of ``role``; make one per worker pool. ``cost``
+    overrides the prefix-aware policy's defaults for that role."""
     match name:
         case PolicyName.ROUND_ROBIN:
             return RoundRobin()
         case PolicyName.LEAST_LOADED:
             return LeastLoaded()
+        case PolicyName.PREFIX_AWARE:
+            return PrefixAwarePolicy(cost or PrefixCost.default_for(role))
     raise ValueError(f"unknown routing policy {name!r}")
-
-
-def _worker_id(record: WorkerRecord) -> str:
-    return record.info.worker_id

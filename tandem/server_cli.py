@@ -31,8 +31,24 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     router = subparsers.add_parser("router", help="run the gRPC router")
     _add_common(router)
     router.add_argument("--port", type=int, default=50051)
-    router.add_argument("--prefill-policy", default="least_loaded", choices=_policy_names())
-    router.add_argument("--decode-policy", default="least_loaded", choices=_policy_names())
+    router.add_argument("--prefill-policy", default="prefix_aware", choices=_policy_names())
+    router.add_argument("--decode-policy", default="prefix_aware", choices=_policy_names())
+    router.add_argument(
+        "--routing-temperature",
+        type=float,
+        default=0.0,
+        help="prefix_aware: soften the least-cost choice (0: always the cheapest)",
+    )
+    router.add_argument(
+        "--imbalance-limit",
+        type=float,
+        default=1.25,
+        help="prefix_aware: a worker loaded above this multiple of the pool mean (plus a "
+        "slack) gets no credit for its cached prefix",
+    )
+    router.add_argument(
+        "--metrics-port", type=int, help="serve Prometheus GET /metrics here (0: any port)"
+    )
     router.add_argument(
         "--disaggregation-min-tokens",
         type=int,
@@ -80,7 +96,7 @@ def _add_common(parser: argparse.ArgumentParser) -> None:
 
 
 def _policy_names() -> list[str]:
-    return ["round_robin", "least_loaded"]
+    return ["round_robin", "least_loaded", "prefix_aware"]
 
 
 def _model_name(args: argparse.Namespace) -> str:
@@ -95,11 +111,26 @@ def _check_redis(args: argparse.Namespace) -> None:
 
 
 def _run_router(args: argparse.Namespace) -> int:
+    import dataclasses
+
     from router.main import RouterOptions, run
     from router.policy import PolicyName
+    from router.prefix_policy import PrefixCost
+    from tandem.registry import WorkerRole
 
     _check_redis(args)
     logging.basicConfig(level=args.log_level)
+    try:
+        prefill_cost, decode_cost = (
+            dataclasses.replace(
+                PrefixCost.default_for(role),
+                temperature=args.routing_temperature,
+                imbalance_limit=args.imbalance_limit,
+            )
+            for role in (WorkerRole.PREFILL, WorkerRole.DECODE)
+        )
+    except ValueError as err:
+        raise SystemExit(f"error: {err}") from err
     options = RouterOptions(
         model_dir=args.model,
         model_name=_model_name(args),
@@ -108,9 +139,12 @@ def _run_router(args: argparse.Namespace) -> int:
         port=args.port,
         prefill_policy=PolicyName(args.prefill_policy),
         decode_policy=PolicyName(args.decode_policy),
+        prefill_cost=prefill_cost,
+        decode_cost=decode_cost,
         disaggregation_min_tokens=args.disaggregation_min_tokens,
         max_pending_requests=args.max_pending_requests,
         max_model_len=args.max_model_len,
+        metrics_port=args.metrics_port,
     )
     asyncio.run(run(options))
     return 0

@@ -1,0 +1,75 @@
+"""The two pool views answer every question a policy asks identically, and a policy
+choosing through either picks the same worker; router modules import without torch."""
+
+from __future__ import annotations
+
+import importlib
+import pkgutil
+import random
+import subprocess
+import sys
+
+import router
+from router.kv_index import PrefixMatch
+from router.policy import LeastLoaded, RoundRobin, RoutingRequest
+from router.pool_view import IndexedPool, ListPool
+from router.prefix_policy import PrefixAwarePolicy
+from tandem.registry import WorkerCapacity, WorkerInfo, WorkerLoad, WorkerRecord, WorkerRole
+
+
+def record(i: int, queued: int, running: int = 0) -> WorkerRecord:
+    capacity = WorkerCapacity(num_kv_blocks=100, block_size=16, max_num_seqs=8)
+    info = WorkerInfo(f"w{i:02d}", WorkerRole.PREFILL, f"h:{i}", "m", capacity)
+    return WorkerRecord(info, WorkerLoad(100 - running, running, 0, queued, 0.0))
+
+
+def test_indexed_pool_answers_like_a_list_pool_through_updates_and_removals() -> None:
+    rng = random.Random(1)
+    policy = PrefixAwarePolicy()
+    indexed = IndexedPool(policy.load_key)
+    current: dict[int, WorkerRecord] = {}
+    for step in range(400):
+        i = rng.randrange(30)
+        if rng.random() < 0.1 and i in current:
+            del current[i]
+            indexed.remove(f"w{i:02d}")
+        else:
+            current[i] = record(i, rng.choice([0, 0, rng.randrange(1, 500)]), rng.randrange(4))
+            indexed.update(current[i])
+        listed = ListPool(list(current.values()), policy.load_key)
+        assert len(indexed) == len(listed)
+        assert indexed.mean_load() == listed.mean_load()
+        assert indexed.cheapest(5) == listed.cheapest(5)
+        skip = {f"w{j:02d}" for j in range(0, 30, 3)}
+        assert indexed.cheapest(4, skip) == listed.cheapest(4, skip)
+        for u in (0.0, 0.37, 0.99):
+            assert indexed.idle_at(u) == listed.idle_at(u)
+        for after in (None, "w05", "w29"):
+            assert indexed.first_after(after) == listed.first_after(after)
+        req = RoutingRequest(
+            f"r{step}", 800, matched_blocks=PrefixMatch.of({f"w{j:02d}": 20 for j in range(5)})
+        )
+        for p in (policy, LeastLoaded(), RoundRobin()):
+            assert p.choose(req, indexed) == p.choose(req, listed)
+
+
+def test_replace_all_makes_the_given_records_the_whole_pool() -> None:
+    pool = IndexedPool(LeastLoaded().load_key)
+    pool.replace_all([record(i, 10 * i) for i in range(5)])
+    pool.replace_all([record(i, 10 * i) for i in range(2, 7)])
+    assert len(pool) == 5 and pool.get("w00") is None
+    assert [r.info.worker_id for r in pool.cheapest(10)] == [f"w{i:02d}" for i in range(2, 7)]
+
+
+def test_every_router_module_imports_without_torch() -> None:
+    names = [f"router.{m.name}" for m in pkgutil.iter_modules(router.__path__)]
+    assert {"router.kv_indexer", "router.prefix_policy", "router.kv_event_consumer"} <= set(names)
+    code = (
+        "import sys; sys.modules['torch'] = None\n"
+        + "".join(f"import {name}\n" for name in names)
+        + "import tandem.kv_event_wire, tandem.kv_event_publisher, tandem.metrics_text\nprint('ok')"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert result.stdout.strip() == "ok", result.stderr
+    for name in names:
+        importlib.import_module(name)
