@@ -253,9 +253,6 @@ class _Scorer:
         total = cost.uncached_weight * uncached + load
         self.scored[worker_id] = _Scored(record, blocks, total, room, key)
 
-    def count_within(self, bound: float) -> int:
-        return sum(1 for s in self.scored.values() if s.room and s.cost <= bound)
-
 
 def _rank(s: _Scored) -> tuple:
     return (s.cost, -s.blocks, s.key)

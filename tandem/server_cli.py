@@ -6,10 +6,15 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import logging
 import os
 import uuid
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from router.prefix_policy import PrefixCost
 
 # EngineConfig fields a worker exposes as flags: (flag, type, help).
 ENGINE_FLAGS: tuple[tuple[str, type, str], ...] = (
@@ -48,6 +53,12 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     )
     router.add_argument(
         "--metrics-port", type=int, help="serve Prometheus GET /metrics here (0: any port)"
+    )
+    router.add_argument(
+        "--imbalance-slack",
+        type=float,
+        help="prefix_aware: the load a worker may carry above the limit before the guard "
+        "applies (default: 256 queued prefill tokens; decode pool: 64)",
     )
     router.add_argument(
         "--disaggregation-min-tokens",
@@ -110,9 +121,18 @@ def _check_redis(args: argparse.Namespace) -> None:
         )
 
 
-def _run_router(args: argparse.Namespace) -> int:
-    import dataclasses
+def _prefix_cost(defaults: PrefixCost, args: argparse.Namespace) -> PrefixCost:
+    """A pool's prefix-aware cost: its role's defaults with the flags given applied."""
+    slack = defaults.imbalance_slack if args.imbalance_slack is None else args.imbalance_slack
+    return dataclasses.replace(
+        defaults,
+        temperature=args.routing_temperature,
+        imbalance_limit=args.imbalance_limit,
+        imbalance_slack=slack,
+    )
 
+
+def _run_router(args: argparse.Namespace) -> int:
     from router.main import RouterOptions, run
     from router.policy import PolicyName
     from router.prefix_policy import PrefixCost
@@ -122,11 +142,7 @@ def _run_router(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level)
     try:
         prefill_cost, decode_cost = (
-            dataclasses.replace(
-                PrefixCost.default_for(role),
-                temperature=args.routing_temperature,
-                imbalance_limit=args.imbalance_limit,
-            )
+            _prefix_cost(PrefixCost.default_for(role), args)
             for role in (WorkerRole.PREFILL, WorkerRole.DECODE)
         )
     except ValueError as err:

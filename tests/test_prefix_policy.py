@@ -205,3 +205,19 @@ def test_empty_pool_gives_none_and_bad_weights_are_refused() -> None:
         PrefixCost(imbalance_limit=0.5)
     with pytest.raises(ValueError, match="temperature"):
         dataclasses.replace(PrefixCost(), temperature=-1)
+
+
+def test_router_flags_set_both_pools_costs_over_their_role_defaults() -> None:
+    from tandem.cli import build_parser
+    from tandem.server_cli import _prefix_cost
+
+    base = ["router", "--model", "m", "--redis-url", "redis://x"]
+    args = build_parser().parse_args(base)
+    assert args.prefill_policy == args.decode_policy == "prefix_aware"
+    decode_default = PrefixCost.default_for(WorkerRole.DECODE)
+    assert _prefix_cost(decode_default, args) == decode_default
+    flags = ["--routing-temperature", "0.5", "--imbalance-limit", "2", "--imbalance-slack", "9"]
+    args = build_parser().parse_args(base + flags)
+    cost = _prefix_cost(decode_default, args)
+    assert (cost.temperature, cost.imbalance_limit, cost.imbalance_slack) == (0.5, 2.0, 9.0)
+    assert cost.decode_weight == decode_default.decode_weight  # the role's own weights stay
