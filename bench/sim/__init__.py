@@ -1,0 +1,1 @@
+"""A discrete-event fleet simulator for Tandem's routing (see ``bench/sim/README.md``)."""
