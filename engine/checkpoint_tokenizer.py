@@ -3,11 +3,11 @@
 Nothing may be downloaded, so the tokenizer is trained here, with HF ``tokenizers``, on
 text every machine has: the running Python's standard library. The corpus is the
 top-level ``*.py`` files of the stdlib directory in sorted name order, up to
-``CORPUS_BYTES``; training on it takes under a second. The result is deterministic for
-one Python installation (another Python version has other sources, hence another
-vocabulary) and is cached under ``$XDG_CACHE_HOME/tandem`` (default ``~/.cache/tandem``),
-keyed by the vocabulary size and a hash of the corpus, so test fixtures that make many
-checkpoints train it once.
+``CORPUS_BYTES`` (``corpus_files``); training on it takes under a second. The result is
+deterministic for one Python installation (another Python version has other sources,
+hence another vocabulary) and is cached under ``$XDG_CACHE_HOME/tandem`` (default
+``~/.cache/tandem``), keyed by the vocabulary size and a hash of the corpus, so test
+fixtures that make many checkpoints train it once.
 
 Special tokens come first (ids 0..4, see ``SPECIAL_TOKENS``). ``encode`` prepends
 ``<|bos|>`` through a post-processor, as Llama 3's tokenizer does. The chat template is a
@@ -18,6 +18,7 @@ small ChatML dialect: it starts with ``bos_token``, so a rendered chat is encode
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import os
 import sysconfig
@@ -28,6 +29,9 @@ from pathlib import Path
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
 CORPUS_BYTES = 3_000_000
+_NOT_CORPUS_DIRS = frozenset(
+    {"site-packages", "test", "tests", "idle_test", "encodings", "pydoc_data", "turtledemo"}
+)
 _RECIPE_VERSION = 1  # bump when the training recipe changes, to invalidate caches
 
 BOS, EOS, PAD, IM_START, IM_END = "<|bos|>", "<|eos|>", "<|pad|>", "<|im_start|>", "<|im_end|>"
@@ -56,13 +60,24 @@ class TokenIds:
     end_of_turn: int
 
 
-def corpus_files() -> list[Path]:
-    """The stdlib sources the tokenizer is trained on, in training order."""
+def corpus_files(max_bytes: int | None = CORPUS_BYTES) -> list[Path]:
+    """Stdlib sources in corpus order until ``max_bytes`` are reached (``None``: all).
+
+    The order: the top-level ``*.py`` files by name, then the packages' sources by path,
+    leaving out tests, generated tables and third-party ``site-packages``. The tokenizer
+    trains on the default selection, which the top-level files alone fill; training a
+    model (``engine.training``) may read further.
+    """
     stdlib = Path(sysconfig.get_paths()["stdlib"])
+    packages = (
+        path
+        for path in sorted(stdlib.glob("*/**/*.py"))
+        if not _NOT_CORPUS_DIRS.intersection(path.relative_to(stdlib).parts)
+    )
     selected: list[Path] = []
     total = 0
-    for path in sorted(stdlib.glob("*.py")):
-        if total >= CORPUS_BYTES:
+    for path in itertools.chain(sorted(stdlib.glob("*.py")), packages):
+        if max_bytes is not None and total >= max_bytes:
             break
         selected.append(path)
         total += path.stat().st_size

@@ -1,0 +1,192 @@
+"""Training: the loss falls, the result is a normal checkpoint that transformers and the
+engine load and agree on, a run is reproducible and stays within its budget, and the
+shipped target/draft pair is what its README says."""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from engine.checkpoint_maker import PRESETS, checkpoint_spec
+from engine.training import (
+    REPORT_FILE,
+    Corpus,
+    TrainConfig,
+    Trained,
+    learning_rate,
+    load_corpus,
+    train,
+)
+
+transformers = pytest.importorskip("transformers")
+
+PRESET = "trained-draft"  # the smallest preset: 0.6M parameters
+STEPS = 40
+CONFIG = TrainConfig(
+    steps=STEPS, batch_size=8, seq_len=64, lr=1e-2, warmup_steps=5, log_every=10, eval_every=20
+)
+PROMPTS = ("def fibonacci(n):", "import os\nclass Foo:", "    return self.")
+ASSETS = Path(__file__).resolve().parents[1] / "engine" / "assets" / "trained"
+MAX_ASSET_BYTES = 8_000_000
+CORPUS_BYTES = 3_000_000  # the tokenizer's own share of the corpus: quick to encode
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _private_cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """The tokenizer cache goes to a temporary directory, not the user's."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("XDG_CACHE_HOME", str(tmp_path_factory.mktemp("cache")))
+        yield
+
+
+@pytest.fixture(scope="module")
+def corpus() -> Corpus:
+    return load_corpus(4096, CONFIG.val_fraction, CORPUS_BYTES)
+
+
+@pytest.fixture(scope="module")
+def trained(corpus: Corpus) -> Trained:
+    return train(checkpoint_spec(size=PRESET, seed=1), CONFIG, corpus)
+
+
+@pytest.fixture(scope="module")
+def checkpoint(trained: Trained, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return trained.save(tmp_path_factory.mktemp("trained"))
+
+
+def test_loss_falls_from_chance(trained: Trained) -> None:
+    report = trained.report
+    first, last = report.curve[0][1], report.curve[-1][1]
+    assert first < math.log(4096) + 0.5  # starts near chance: the initialisation is sane
+    assert last < first - 1.0
+    assert report.val_loss < first - 1.0
+    assert [step for step, _ in report.val_curve] == [20, 40]
+
+
+def test_step_budget_is_respected_and_recorded(trained: Trained, checkpoint: Path) -> None:
+    assert trained.report.steps == STEPS
+    assert [step for step, _ in trained.report.curve] == [10, 20, 30, 40]
+    recorded = json.loads((checkpoint / REPORT_FILE).read_text())
+    assert recorded["steps"] == STEPS
+    assert recorded["val_loss"] == trained.report.val_loss
+    assert recorded["seed"] == 1
+    assert recorded["torch_version"] == torch.__version__
+
+
+def test_minute_budget_stops_the_run(corpus: Corpus) -> None:
+    config = TrainConfig(minutes=0.01, batch_size=2, seq_len=16, eval_every=10_000)
+    report = train(checkpoint_spec(size=PRESET), config, corpus).report
+    assert report.steps >= 1
+    assert report.minutes < 0.01 + 0.05
+
+
+def test_same_seed_same_weights_other_seed_other_weights(trained: Trained, corpus: Corpus) -> None:
+    again = train(checkpoint_spec(size=PRESET, seed=1), CONFIG, corpus)
+    other = train(checkpoint_spec(size=PRESET, seed=2), CONFIG, corpus)
+    first = trained.model.state_dict()
+    for name, tensor in again.model.state_dict().items():
+        assert torch.equal(tensor, first[name]), name
+    assert not torch.equal(other.model.state_dict()["lm_head.weight"], first["lm_head.weight"])
+
+
+def test_checkpoint_has_hf_names_and_matches_transformers_logits(
+    trained: Trained, checkpoint: Path
+) -> None:
+    hf = _hf_model(checkpoint)
+    stored = load_file(checkpoint / "model.safetensors")
+    assert set(stored) == set(dict(hf.named_parameters()))
+    ids = torch.tensor([list(range(5, 60))])
+    with torch.no_grad():
+        ours, theirs = trained.model(ids), hf(ids).logits
+    torch.testing.assert_close(ours, theirs, atol=1e-4, rtol=1e-4)
+
+
+def test_engine_and_transformers_greedy_outputs_agree(checkpoint: Path) -> None:
+    from engine import LLM, SamplingParams
+
+    hf = _hf_model(checkpoint)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(checkpoint)
+    llm = LLM(str(checkpoint), dtype="float32")
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    for prompt, output in zip(PROMPTS, llm.generate(list(PROMPTS), params), strict=True):
+        ids = tokenizer(prompt, return_tensors="pt").input_ids
+        with torch.no_grad():
+            expected = hf.generate(
+                ids,
+                attention_mask=torch.ones_like(ids),
+                max_new_tokens=16,
+                min_new_tokens=16,
+                do_sample=False,
+                pad_token_id=0,
+            )
+        assert output.token_ids == expected[0, ids.shape[1] :].tolist(), prompt
+
+
+def test_learning_rate_warms_up_then_decays_to_the_floor() -> None:
+    config = TrainConfig(steps=100, lr=1.0, warmup_steps=10, min_lr_ratio=0.1)
+    assert learning_rate(config, 0, 0.0) == pytest.approx(0.1)
+    assert learning_rate(config, 4, 0.0) == pytest.approx(0.5)
+    assert learning_rate(config, 50, 0.5) == pytest.approx(0.55)
+    assert learning_rate(config, 100, 1.0) == pytest.approx(0.1)
+
+
+def test_a_run_needs_a_budget() -> None:
+    with pytest.raises(ValueError, match="budget"):
+        TrainConfig()
+
+
+def test_cli_trains_within_the_step_budget(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    from tandem.cli import main
+
+    out = tmp_path / "cli"
+    args = ["make-model", str(out), "--train", "--preset", PRESET, "--train-steps", "3"]
+    args += ["--corpus-bytes", "200000"]
+    assert main([*args, "--train-seq-len", "32", "--train-batch-size", "2"]) == 0
+    assert json.loads((out / REPORT_FILE).read_text())["steps"] == 3
+    assert "val loss" in capsys.readouterr().out
+
+
+# --- the shipped pair ---------------------------------------------------------------------
+
+
+@pytest.mark.skipif(not ASSETS.exists(), reason="no trained assets in this tree")
+@pytest.mark.parametrize("role, preset", [("target", "trained-target"), ("draft", "trained-draft")])
+def test_shipped_checkpoint_loads_and_has_its_preset_shape(role: str, preset: str) -> None:
+    d = ASSETS / role
+    model = _hf_model(d)
+    p = PRESETS[preset]
+    config = model.config
+    assert (config.hidden_size, config.num_hidden_layers) == (p.hidden_size, p.num_layers)
+    assert (config.num_attention_heads, config.num_key_value_heads) == (p.num_heads, p.num_kv_heads)
+    assert config.intermediate_size == p.intermediate_size
+    report = json.loads((d / REPORT_FILE).read_text())
+    assert report["preset"] == preset
+    assert report["parameters"] == sum(t.numel() for t in model.parameters())
+    assert report["val_loss"] < report["curve"][0][1]
+    assert {t.dtype for t in load_file(d / "model.safetensors").values()} == {torch.bfloat16}
+
+
+@pytest.mark.skipif(not ASSETS.exists(), reason="no trained assets in this tree")
+def test_shipped_pair_fits_its_size_budget_and_readme_states_its_losses() -> None:
+    size = sum(f.stat().st_size for f in ASSETS.rglob("*") if f.is_file())
+    assert size <= MAX_ASSET_BYTES
+    readme = (ASSETS / "README.md").read_text()
+    for role in ("target", "draft"):
+        report = json.loads((ASSETS / role / REPORT_FILE).read_text())
+        assert f"{report['val_loss']:.3f}" in readme, role
+    agreement = json.loads((ASSETS / "draft" / REPORT_FILE).read_text())["extra"]
+    assert agreement["greedy_agreement"] > 0.6
+
+
+def _hf_model(model_dir: Path):
+    model, info = transformers.AutoModelForCausalLM.from_pretrained(
+        model_dir, dtype=torch.float32, output_loading_info=True
+    )
+    assert {k: v for k, v in info.items() if v} == {}, "missing/unexpected/mismatched weights"
+    return model.eval()
