@@ -9,7 +9,9 @@ Single-threaded: call it from one thread (workers run it in a dedicated thread).
 from __future__ import annotations
 
 import itertools
+import time
 from collections.abc import Callable
+from dataclasses import replace
 
 import torch
 
@@ -78,7 +80,9 @@ class LLMEngine:
         )
         self._draft_probs: dict[str, torch.Tensor] = {}
         self.num_steps = 0
-        """Target forward passes run so far."""
+        """Target forward passes so far."""
+        self.busy_seconds = 0.0
+        """Time spent in ``step()`` so far."""
         self.text_streams: dict[str, TextStream] = {}
         self.requests: dict[str, Request] = {}
         self._kv_pulls: list[KVPull] = []
@@ -173,6 +177,13 @@ class LLMEngine:
     # --- the loop ----------------------------------------------------------------------
 
     def step(self) -> list[RequestDelta]:
+        start = time.perf_counter()
+        try:
+            return self._step()
+        finally:
+            self.busy_seconds += time.perf_counter() - start
+
+    def _step(self) -> list[RequestDelta]:
         plan = self.scheduler.schedule()
         self._kv_pulls.extend(plan.kv_pulls)
         self.last_step_idle = not plan.chunks
@@ -241,6 +252,8 @@ class LLMEngine:
             num_prefilled=len(s.prefilled),
             queued_prefill_tokens=queued,
             num_preemptions=s.num_preemptions,
+            spec_decode=None if self.speculator is None else replace(self.speculator.stats),
+            busy_seconds=self.busy_seconds,
         )
 
     def kv_usage(self) -> KVUsage:

@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from engine.sampler import TokenLogprobs
+
+if TYPE_CHECKING:
+    from engine.spec_decode.speculator import SpecDecodeStats
 
 
 @dataclass(frozen=True)
@@ -84,3 +88,7 @@ class EngineLoad:
     queued_prefill_tokens: int
     """Prompt tokens admitted or queued but not computed yet."""
     num_preemptions: int
+    spec_decode: SpecDecodeStats | None = None
+    """Speculative decoding's counters (``None``: the engine does not speculate)."""
+    busy_seconds: float = 0.0
+    """Time spent in ``step()`` since start (the denominator of the proposer's share)."""

@@ -44,6 +44,10 @@ class ClusterSpec:
     model_name: str | None = None
     worker_args: tuple[str, ...] = ()
     """Extra flags for every worker (engine options such as ``--max-num-seqs 64``)."""
+    prefill_args: tuple[str, ...] = ()
+    """Extra flags for prefill workers only, after ``worker_args``."""
+    decode_args: tuple[str, ...] = ()
+    """Extra flags for decode workers only (e.g. ``--draft-model DIR``)."""
     router_args: tuple[str, ...] = ()
     threads_per_worker: int | None = None
     """Torch threads per worker; default: the machine's cores shared among workers."""
@@ -73,6 +77,10 @@ class LocalCluster:
     @property
     def model_name(self) -> str:
         return self.spec.model_name or Path(self.spec.model_dir).resolve().name
+
+    def worker_address(self, name: str) -> str:
+        """``host:port`` of a started component (from its READY line)."""
+        return self.children[name].ready_line.split()[-1]
 
     def start(self, timeout_s: float = 180.0) -> LocalCluster:
         try:
@@ -108,6 +116,7 @@ class LocalCluster:
             "--num-threads",
             str(threads),
             *self.spec.worker_args,
+            *(self.spec.prefill_args if role == "prefill" else self.spec.decode_args),
         )
         self._spawn(name, args)
 

@@ -26,9 +26,13 @@ ENGINE_FLAGS: tuple[tuple[str, type, str], ...] = (
     ("max-num-seqs", int, "most sequences batched per step"),
     ("max-num-batched-tokens", int, "token budget per step"),
     ("max-model-len", int, "longest prompt + output"),
-    ("attention-backend", str, "torch, sdpa or flash (default: best available)"),
+    ("attention-backend", str, "cpu, sdpa, torch or flash (default: best available)"),
     ("num-threads", int, "torch threads on CPU"),
     ("seed", int, "seed for unseeded random sampling"),
+    ("speculative-method", str, "ngram or draft: speculative decoding's default proposer"),
+    ("num-speculative-tokens", int, "most tokens proposed per step (default 4)"),
+    ("draft-model", str, "draft checkpoint for speculative decoding (implies draft)"),
+    ("ngram-max-n", int, "longest n-gram prompt lookup matches (default 4)"),
 )
 
 

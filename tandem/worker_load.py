@@ -17,6 +17,18 @@ class EngineLoadLike(Protocol):
     num_waiting_for_kv: int
     queued_prefill_tokens: int
     num_preemptions: int
+    spec_decode: SpecDecodeStatsLike | None
+    busy_seconds: float
+
+
+class SpecDecodeStatsLike(Protocol):
+    num_verifications: int
+    num_draft_tokens: int
+    num_accepted_tokens: int
+    num_emitted_tokens: int
+    num_request_passes: int
+    num_pass_tokens: int
+    proposer_seconds: float
 
 
 def worker_load(load: EngineLoadLike) -> WorkerLoad:
@@ -32,7 +44,7 @@ def worker_status(
     load: EngineLoadLike, worker_id: str, role: str, num_requests: int
 ) -> worker_pb2.WorkerStatus:
     """``GetStatus``'s answer; the caller adds its role's own counters."""
-    return worker_pb2.WorkerStatus(
+    status = worker_pb2.WorkerStatus(
         worker_id=worker_id,
         role=role,
         num_kv_blocks=load.num_kv_blocks,
@@ -42,4 +54,19 @@ def worker_status(
         num_waiting=load.num_waiting + load.num_waiting_for_kv,
         num_preemptions=load.num_preemptions,
         num_requests=num_requests,
+        busy_seconds=load.busy_seconds,
     )
+    spec = load.spec_decode
+    if spec is not None:
+        status.spec_decode.CopyFrom(
+            worker_pb2.SpecDecodeStatus(
+                num_verifications=spec.num_verifications,
+                num_draft_tokens=spec.num_draft_tokens,
+                num_accepted_tokens=spec.num_accepted_tokens,
+                num_emitted_tokens=spec.num_emitted_tokens,
+                num_request_passes=spec.num_request_passes,
+                num_pass_tokens=spec.num_pass_tokens,
+                proposer_seconds=spec.proposer_seconds,
+            )
+        )
+    return status

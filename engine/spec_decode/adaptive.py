@@ -2,7 +2,7 @@
 
 With a per-token acceptance rate ``a`` (tracked as an exponential moving average), k
 proposals yield on average ``E(k) = 1 + a + ... + a^k`` tokens per target pass, and cost
-``1 + c * k`` target-pass equivalents, ``c`` being the measured cost of one proposed token
+``1 + c * k`` target-pass equivalents, ``c`` being the estimated cost of one proposed token
 (drafting it plus verifying it) relative to a plain decode step. The controller picks the
 k in ``[0, k_max]`` maximizing ``E(k) / (1 + c * k)``: with acceptance near zero that is
 k = 0, and the request decodes plainly, re-probing with k = 1 every ``PROBE_EVERY`` steps

@@ -27,13 +27,25 @@ VERIFY_COST_PER_TOKEN = 0.05
 
 @dataclass
 class SpecDecodeStats:
+    """Counters since start; ``dataclasses.replace(stats)`` is a consistent snapshot."""
+
     num_verifications: int = 0
     """Request-steps that verified at least one draft."""
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
     num_emitted_tokens: int = 0
     """Tokens emitted by verifying steps (accepted drafts plus the target's own)."""
+    num_request_passes: int = 0
+    """Request-steps that emitted tokens, speculating or not: each is one pass of the
+    target over that request."""
+    num_pass_tokens: int = 0
+    """Tokens those passes emitted."""
     proposer_seconds: float = 0.0
+
+    @property
+    def tokens_per_target_forward(self) -> float:
+        """Tokens a request gets per target pass (1.0 without speculation)."""
+        return self.num_pass_tokens / self.num_request_passes if self.num_request_passes else 0.0
 
     @property
     def acceptance_rate(self) -> float:
@@ -65,7 +77,7 @@ class Speculator:
         drafting_cost: Mapping[SpecMethod, float],
     ) -> None:
         """``drafting_cost``: the cost of proposing one token relative to a target decode
-        step (0 for n-gram lookup; the draft/target compute ratio for a draft model). A
+        step (0 for n-gram lookup; ``build.relative_step_cost`` for a draft model). A
         fixed estimate, not a timing, so that k, and with it a seeded request's random
         stream, never depends on how fast the machine happened to be."""
         if config.method not in proposers:
@@ -99,10 +111,13 @@ class Speculator:
         return probs
 
     def observe(self, update: StepUpdate) -> None:
+        stats = self.stats
+        if update.new_token_ids:
+            stats.num_request_passes += 1
+            stats.num_pass_tokens += len(update.new_token_ids)
         if not update.num_draft_tokens:
             return
         accepted = update.num_accepted_drafts
-        stats = self.stats
         stats.num_verifications += 1
         stats.num_draft_tokens += update.num_draft_tokens
         stats.num_accepted_tokens += accepted
