@@ -149,7 +149,7 @@ def resolve_runtime(config: EngineConfig, model: ModelConfig) -> EngineRuntime:
     if config.num_threads is not None and device.type == "cpu":
         torch.set_num_threads(config.num_threads)
     requested_linear = LinearBackend(config.linear_backend) if config.linear_backend else None
-    linear = select_linear_backend(requested_linear, device, dtype)
+    linear = select_linear_backend(requested_linear, device, dtype, model.hidden_size)
     budget = config.max_num_batched_tokens
     if budget is None:
         budget = DEFAULT_CPU_STEP_TOKENS if device.type == "cpu" else DEFAULT_GPU_STEP_TOKENS

@@ -8,6 +8,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+import torch
 
 from engine import LLM, SamplingParams
 from tests.hf_reference import hf_greedy, random_prompts
@@ -108,3 +109,38 @@ def test_reference_backend_matches(arch: str, reference, prompts) -> None:
     )
     assert [o.token_ids for o in llm.generate(prompts, GREEDY)] == expected
     assert_pool_idle(llm)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_both_linear_backends_match(arch: str, reference, prompts) -> None:
+    """Tiny models default to plain torch GEMMs (``ONEDNN_MIN_HIDDEN_SIZE``); the packed
+    oneDNN path, the default for bigger ones, must give the same tokens."""
+    from engine.layers.linear import onednn_supports
+
+    if not onednn_supports(torch.device("cpu"), torch.float32):
+        pytest.skip("oneDNN linear is unavailable in this torch build")
+    model_dir, expected = reference(arch)
+    for backend in ("onednn", "torch"):
+        llm = LLM(model_dir, dtype="float32", num_kv_blocks=256, linear_backend=backend)
+        assert [o.token_ids for o in llm.generate(prompts, GREEDY)] == expected, backend
+        assert_pool_idle(llm)
+
+
+def test_linear_backend_follows_the_model_size() -> None:
+    from engine.layers.linear import (
+        ONEDNN_MIN_HIDDEN_SIZE,
+        LinearBackend,
+        onednn_supports,
+        select_linear_backend,
+    )
+
+    cpu = torch.device("cpu")
+    small = select_linear_backend(None, cpu, torch.float32, ONEDNN_MIN_HIDDEN_SIZE - 1)
+    assert small is LinearBackend.TORCH
+    big = select_linear_backend(None, cpu, torch.float32, ONEDNN_MIN_HIDDEN_SIZE)
+    supported = onednn_supports(cpu, torch.float32)
+    assert big is (LinearBackend.ONEDNN if supported else LinearBackend.TORCH)
+    assert select_linear_backend(LinearBackend.TORCH, cpu, torch.float32, 4096) is (
+        LinearBackend.TORCH
+    )
+    assert select_linear_backend(None, cpu, torch.float16, 4096) is LinearBackend.TORCH

@@ -38,10 +38,16 @@ def onednn_supports(device: torch.device, dtype: torch.dtype) -> bool:
     return dtype == torch.bfloat16 and torch.ops.mkldnn._is_mkldnn_bf16_supported()
 
 
+ONEDNN_MIN_HIDDEN_SIZE = 256
+"""Below this hidden size oneDNN's per-call overhead outweighs its faster GEMMs. Measured
+on 2 cores, batch-1 decode: d=64 and d=192 models step 1.5x faster on plain torch; d=256
+steps 1.25x faster and d=768 2.1x faster on oneDNN."""
+
+
 def select_linear_backend(
-    requested: LinearBackend | None, device: torch.device, dtype: torch.dtype
+    requested: LinearBackend | None, device: torch.device, dtype: torch.dtype, hidden_size: int
 ) -> LinearBackend:
-    """oneDNN where it works, unless ``torch`` is requested."""
+    """oneDNN where it works and the model is big enough to gain, unless one is requested."""
     supported = onednn_supports(device, dtype)
     if requested is LinearBackend.ONEDNN and not supported:
         raise ValueError(
@@ -49,7 +55,9 @@ def select_linear_backend(
         )
     if requested is not None:
         return requested
-    return LinearBackend.ONEDNN if supported else LinearBackend.TORCH
+    if supported and hidden_size >= ONEDNN_MIN_HIDDEN_SIZE:
+        return LinearBackend.ONEDNN
+    return LinearBackend.TORCH
 
 
 class PackedLinear(nn.Module):

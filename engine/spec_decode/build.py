@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Collection
 
 from engine.config import EngineConfig, EngineRuntime, default_spec_method
+from engine.layers.linear import LinearBackend, select_linear_backend
 from engine.model_runner import KVCacheLayout, ModelRunner
 from engine.spec_decode.draft_model import DraftModelProposer
 from engine.spec_decode.ngram import NgramProposer
@@ -88,12 +89,14 @@ def _draft_proposer(
     layout = KVCacheLayout(
         runtime.block_size, draft.num_layers, draft.num_kv_heads, draft.head_dim, runtime.dtype
     )
+    requested = LinearBackend(config.linear_backend) if config.linear_backend else None
+    linear = select_linear_backend(requested, runtime.device, runtime.dtype, draft.hidden_size)
     runner = ModelRunner(
         config.draft_model,
         draft,
         layout,
         runtime.backend,
-        runtime.linear_backend,
+        linear,
         runtime.device,
         eos_token_ids,
         config.seed,
