@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import resource
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -26,13 +27,32 @@ class OtherLoad:
     def start(cls) -> OtherLoad:
         return cls(time.monotonic(), _machine_busy_s(), _our_cpu_s())
 
-    def cores(self) -> float | None:
-        """Average cores used by other processes since ``start`` (None off Linux)."""
+    def cores(self, ours_elsewhere_s: float = 0.0) -> float | None:
+        """Average cores used by other processes since ``start`` (None off Linux).
+
+        ``ours_elsewhere_s``: CPU seconds our own processes spent meanwhile that
+        ``getrusage`` does not see (children still running, such as a local cluster;
+        ``processes_cpu_s`` measures them)."""
         busy = _machine_busy_s()
         if busy is None or self.busy is None:
             return None
         elapsed = max(1e-9, time.monotonic() - self.wall)
-        return max(0.0, (busy - self.busy - (_our_cpu_s() - self.ours)) / elapsed)
+        ours = _our_cpu_s() - self.ours + ours_elsewhere_s
+        return max(0.0, (busy - self.busy - ours) / elapsed)
+
+
+def processes_cpu_s(pids: Iterable[int]) -> float:
+    """CPU seconds (user + system) the running processes ``pids`` have used so far, from
+    ``/proc/<pid>/stat``; a process that is gone counts 0."""
+    total = 0
+    for pid in pids:
+        try:
+            stat = Path(f"/proc/{pid}/stat").read_text()
+        except OSError:
+            continue
+        fields = stat.rsplit(")", 1)[1].split()  # after "pid (comm)"
+        total += int(fields[11]) + int(fields[12])  # utime, stime
+    return total / os.sysconf("SC_CLK_TCK")
 
 
 def wait_for_quiet(

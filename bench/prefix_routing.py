@@ -34,7 +34,7 @@ if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.loadgen import PlannedRequest, Report, Slo, run_load, summarize
-from bench.machine_load import OtherLoad, wait_for_quiet
+from bench.machine_load import OtherLoad, processes_cpu_s, wait_for_quiet
 from bench.prefix_workloads import SegmentTokens, Shape, WorkloadSpec, generate
 from bench.workloads import IntRange, TokenPool
 from tandem.client import AsyncGenerationClient
@@ -85,14 +85,17 @@ def run_policy(args, model_dir: Path, name: str, policy: str, planned) -> Policy
     )
     with LocalCluster(spec) as cluster:
         time.sleep(1.0)  # let the router's KV index sync with the fresh workers
-        meter = OtherLoad.start()
+        pids = [child.process.pid for child in cluster.children.values()]
+        if cluster.redis is not None:
+            pids.append(cluster.redis.pid)
+        meter, cluster_cpu = OtherLoad.start(), processes_cpu_s(pids)
 
         async def go():
             async with AsyncGenerationClient(cluster.router_address) as client:
                 return await run_load(client, planned, timeout_s=120)
 
         results, duration = asyncio.run(go())
-        other = meter.cores()
+        other = meter.cores(processes_cpu_s(pids) - cluster_cpu)
         metrics = _scrape(metrics_port)
     report = summarize(results, duration, Slo())
     prompt = metrics.get("tandem_router_prompt_tokens_total", 0)
