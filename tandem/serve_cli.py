@@ -1,7 +1,8 @@
 """``tandem serve``: the whole cluster on this machine, until Ctrl-C.
 
 With ``--demo`` it streams the answer to a sample request, then shuts down: the quick
-start. Without ``--model`` it serves the default model, made (once) in the user cache.
+start. Without ``--model`` it serves the default model, the trained target shipped in
+``engine/assets/trained`` (``--speculative-method draft`` adds its trained draft).
 """
 
 from __future__ import annotations
@@ -11,13 +12,17 @@ import signal
 import sys
 import threading
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from tandem.launcher import LocalCluster
 
 DEMO_PROMPT = "def fibonacci(n):"
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     serve = subparsers.add_parser("serve", help="run router + prefill + decode workers here")
-    serve.add_argument("--model", help="checkpoint directory (default: the built-in tiny model)")
+    serve.add_argument("--model", help="checkpoint directory (default: the built-in trained model)")
     serve.add_argument("--model-name")
     serve.add_argument("--prefill-workers", type=int, default=1)
     serve.add_argument("--decode-workers", type=int, default=1)
@@ -32,7 +37,17 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         default=[],
         help="extra flag for every worker, e.g. --worker-arg=--max-num-seqs=64",
     )
+    serve.add_argument("--prefill-worker-arg", action="append", default=[])
+    serve.add_argument("--decode-worker-arg", action="append", default=[])
     serve.add_argument("--router-arg", action="append", default=[])
+    spec = serve.add_argument_group(
+        "speculative decoding (decode workers)",
+        "Off unless asked for; with the default model, --speculative-method draft uses "
+        "its trained draft.",
+    )
+    spec.add_argument("--speculative-method", choices=("ngram", "draft", "none"))
+    spec.add_argument("--num-speculative-tokens", type=int, help="most drafts per step (k)")
+    spec.add_argument("--draft-model", help="draft checkpoint (implies --speculative-method draft)")
     serve.set_defaults(run=_run)
 
 
@@ -48,7 +63,11 @@ def _run(args: argparse.Namespace) -> int:
         host=args.host,
         redis_url=args.redis_url,
         model_name=args.model_name,
-        worker_args=tuple(args.worker_arg),
+        # The shipped weights are stored in bfloat16 to stay small; compute in float32
+        # (a later --worker-arg=--dtype=... wins).
+        worker_args=(*(() if args.model else ("--dtype", "float32")), *args.worker_arg),
+        prefill_args=tuple(args.prefill_worker_arg),
+        decode_args=(*_speculative_args(args), *args.decode_worker_arg),
         router_args=tuple(args.router_arg),
         log_dir=args.log_dir,
     )
@@ -60,24 +79,47 @@ def _run(args: argparse.Namespace) -> int:
             f"tandem serving {cluster.model_name!r} at {cluster.router_address}; registry {redis}"
         )
         if args.demo:
-            return _demo(cluster.router_address)
+            _demo(cluster.router_address)
+            _print_speculation(cluster)
+            return 0
         _wait_for_ctrl_c()
         print("stopping")
     return 0
 
 
-def default_model() -> Path:
-    """The built-in tiny model, made once under the user cache."""
-    from engine.checkpoint_maker import make_model
-    from engine.checkpoint_tokenizer import cache_dir
+def _speculative_args(args: argparse.Namespace) -> list[str]:
+    """Decode-worker flags for speculative decoding; the default model brings its draft.
 
-    path = cache_dir() / "models" / "tiny-llama"
-    if not (path / "config.json").exists():
-        make_model(path, arch="llama", size="tiny")
+    Off by default: on CPU-sized models a draft's step is mostly fixed overhead, and
+    speculating is slower at batch 1 (README, bench/specdec.py)."""
+    method, draft = args.speculative_method, args.draft_model
+    if method == "none":
+        return []
+    if draft is None and args.model is None and method == "draft":
+        draft = str(default_model().parent / "draft")
+    out = []
+    if method is not None:
+        out += ["--speculative-method", method]
+    if draft is not None and method != "ngram":
+        out += ["--draft-model", draft]
+    if args.num_speculative_tokens is not None:
+        out += ["--num-speculative-tokens", str(args.num_speculative_tokens)]
+    return out
+
+
+def default_model() -> Path:
+    """The trained target shipped in the package, ``engine/assets/trained/target`` (its
+    README says how it was made). Raises ``FileNotFoundError`` when it is missing."""
+    import importlib.util
+
+    engine = importlib.util.find_spec("engine")  # locates the package without importing it
+    path = Path(engine.origin).parent / "assets" / "trained" / "target"
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(f"the default model is missing from {path}; pass --model DIR")
     return path
 
 
-def _demo(address: str) -> int:
+def _demo(address: str) -> None:
     from protos import common_pb2
     from tandem.client import stream_generate
 
@@ -92,7 +134,29 @@ def _demo(address: str) -> int:
                 f"\n\n[{u.prompt_tokens} prompt tokens, {u.completion_tokens} generated, "
                 f"{u.cached_prompt_tokens} from the prefix cache]"
             )
-    return 0
+
+
+def _print_speculation(cluster: LocalCluster) -> None:
+    """What the decode workers' speculative decoding did (from their ``GetStatus``)."""
+    import grpc
+
+    from protos import worker_pb2, worker_pb2_grpc
+
+    for i in range(cluster.spec.num_decode):
+        with grpc.insecure_channel(cluster.worker_address(f"decode-{i}")) as channel:
+            status = worker_pb2_grpc.DecodeWorkerStub(channel).GetStatus(
+                worker_pb2.StatusRequest(), timeout=10
+            )
+        if not status.HasField("spec_decode"):
+            continue
+        spec = status.spec_decode
+        if spec.num_draft_tokens and spec.num_request_passes:
+            print(
+                f"[decode-{i} speculated: {spec.num_accepted_tokens} of "
+                f"{spec.num_draft_tokens} drafted tokens accepted, "
+                f"{spec.num_pass_tokens / spec.num_request_passes:.2f} tokens per target "
+                "forward]"
+            )
 
 
 def _wait_for_ctrl_c() -> None:

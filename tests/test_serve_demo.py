@@ -1,6 +1,6 @@
 """The quick start's main command: ``tandem serve --demo`` brings the whole cluster up on
-the built-in model with an embedded Redis, answers the sample request, and leaves no
-process behind."""
+the built-in trained model with an embedded Redis, answers the sample request, and
+leaves no process behind."""
 
 from __future__ import annotations
 
