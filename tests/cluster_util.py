@@ -7,12 +7,13 @@ import asyncio
 import socket
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 import grpc
 
 from protos import common_pb2, worker_pb2, worker_pb2_grpc
 from tandem.client import AsyncGenerationClient, build_request
-from tandem.launcher import LocalCluster
+from tandem.launcher import ClusterSpec, LocalCluster
 from tandem.wire import FINISH_REASON_FROM_PROTO
 
 
@@ -65,3 +66,19 @@ def worker_status(cluster: LocalCluster, name: str) -> worker_pb2.WorkerStatus:
             else worker_pb2_grpc.DecodeWorkerStub
         )(channel)
         return stub.GetStatus(worker_pb2.StatusRequest(), timeout=10)
+
+
+def cluster_spec(
+    model_dir: Path, redis_url: str, log_dir: Path, name: str, **overrides: object
+) -> ClusterSpec:
+    """A one-thread-per-worker local cluster on the session's Redis, under a registry
+    namespace (model name) of its own; ``overrides`` are further ``ClusterSpec`` fields."""
+    fields: dict[str, object] = {
+        "model_dir": str(model_dir),
+        "router_port": free_port(),
+        "redis_url": redis_url,
+        "model_name": f"{name}-{free_port()}",
+        "threads_per_worker": 1,
+        "log_dir": log_dir,
+    }
+    return ClusterSpec(**(fields | overrides))

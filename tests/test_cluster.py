@@ -16,8 +16,8 @@ import pytest
 from engine import LLM, SamplingParams
 from protos import common_pb2
 from tandem.client import AsyncGenerationClient, build_request, stream_generate
-from tandem.launcher import ClusterSpec, LocalCluster
-from tests.cluster_util import complete_all, free_port, worker_status
+from tandem.launcher import LocalCluster
+from tests.cluster_util import cluster_spec, complete_all, worker_status
 from tests.hf_reference import hf_greedy, random_prompts
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
@@ -34,15 +34,8 @@ def model_dir(make_checkpoint: Callable[..., Path]) -> Path:
 
 @pytest.fixture(scope="module")
 def cluster(model_dir: Path, redis_url: str, tmp_path_factory) -> Iterator[LocalCluster]:
-    spec = ClusterSpec(
-        model_dir=str(model_dir),
-        router_port=free_port(),
-        redis_url=redis_url,
-        model_name=f"e2e-{free_port()}",  # a registry namespace of its own
-        worker_args=WORKER_ARGS,
-        threads_per_worker=1,
-        log_dir=tmp_path_factory.mktemp("cluster-logs"),
-    )
+    logs = tmp_path_factory.mktemp("cluster-logs")
+    spec = cluster_spec(model_dir, redis_url, logs, "e2e", worker_args=WORKER_ARGS)
     with LocalCluster(spec) as running:
         yield running
 
