@@ -1,4 +1,4 @@
-"""CPU attention: SDPA for prefill chunks, a native paged kernel for decodes.
+"""CPU attention: a native paged kernel for decodes and short chunks, SDPA for the rest.
 
 The decode kernel (``csrc/paged_decode.c``) reads each sequence's keys and values
 straight from the paged cache through its block table, once, with the query heads of a
@@ -10,50 +10,118 @@ padding to the longest sequence. float32 only; other dtypes use ``SdpaAttention`
 from __future__ import annotations
 
 import ctypes
+from dataclasses import dataclass
 
 import torch
 
+from engine.attention.base import write_kv
 from engine.attention.metadata import AttentionMetadata
 from engine.attention.sdpa import SdpaAttention
+
+KERNEL_CHUNK_TOKENS = 16
+"""Prefill chunks of up to this many tokens (speculative verifications, a draft model's
+catch-up, short prompts) also run through the decode kernel, one row per query token:
+row ``j`` of a chunk starting at position ``p`` is a decode of a sequence of length
+``p + j + 1`` sharing the chunk's block table (the chunk's own keys are written to the
+cache first). That is causal attention without a mask, and it keeps a verification of
+k + 1 tokens about as cheap as a decode instead of taking the SDPA path."""
 
 
 class CpuPagedAttention(SdpaAttention):
     def __init__(self, scale: float, library: ctypes.CDLL) -> None:
         super().__init__(scale)
         self._kernel = library.tandem_paged_decode_f32
-        self._max_seq_len = 0
+        self._rows: _KernelRows | None = None
+        self._long_spans: list[tuple[int, int, int, int]] = []
 
     def plan(self, meta: AttentionMetadata) -> None:
+        """Split the step once (every layer reuses it): decodes and short chunks go to
+        the kernel as rows, longer chunks to SDPA."""
         super().plan(meta)
-        decodes = meta.seq_lens_list[: meta.num_decodes]
-        self._max_seq_len = max(decodes, default=0)
+        query_rows = list(range(meta.num_decodes))
+        row_seqs = list(range(meta.num_decodes))
+        row_lens = list(meta.seq_lens_list[: meta.num_decodes])
+        self._long_spans = []
+        for span in meta.prefill_spans():
+            seq, q_start, q_end, context_start = span
+            if q_end - q_start > KERNEL_CHUNK_TOKENS:
+                self._long_spans.append(span)
+                continue
+            query_rows.extend(range(q_start, q_end))
+            row_seqs.extend([seq] * (q_end - q_start))
+            row_lens.extend(range(context_start + 1, context_start + q_end - q_start + 1))
+        self._rows = None
+        if query_rows:
+            device = meta.block_table.device
+            contiguous = query_rows == list(range(len(query_rows)))
+            self._rows = _KernelRows(
+                query_rows=None if contiguous else torch.tensor(query_rows, device=device),
+                num_rows=len(query_rows),
+                table=meta.block_table[torch.tensor(row_seqs, device=device)],
+                seq_lens=torch.tensor(row_lens, dtype=torch.int64, device=device),
+                max_seq_len=max(row_lens),
+            )
 
-    def _decode(
+    def forward(
         self,
         q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
         sliding_window: int | None,
     ) -> torch.Tensor:
+        write_kv(kv_cache, k, v, meta.slot_mapping)
+        out = torch.empty_like(q)
+        rows = self._rows
+        if rows is not None:
+            if rows.query_rows is None:
+                out[: rows.num_rows] = self._run_kernel(
+                    q[: rows.num_rows], kv_cache, rows, sliding_window
+                )
+            else:
+                picked = q.index_select(0, rows.query_rows)
+                out.index_copy_(
+                    0, rows.query_rows, self._run_kernel(picked, kv_cache, rows, sliding_window)
+                )
+        for seq, q_start, q_end, context_start in self._long_spans:
+            out[q_start:q_end] = self._prefill(
+                q[q_start:q_end],
+                k[q_start:q_end],
+                v[q_start:q_end],
+                kv_cache,
+                meta,
+                seq,
+                context_start,
+                sliding_window,
+            )
+        return out
+
+    def _run_kernel(
+        self,
+        q: torch.Tensor,
+        kv_cache: torch.Tensor,
+        rows: _KernelRows,
+        sliding_window: int | None,
+    ) -> torch.Tensor:
         q = q.contiguous()
         out = torch.empty_like(q)
-        num_seqs, num_heads, head_dim = q.shape
+        num_rows, num_heads, head_dim = q.shape
         _, _, block_size, num_kv_heads, _ = kv_cache.shape
-        table = meta.block_table[: meta.num_decodes]
         status = self._kernel(
             q.data_ptr(),
             kv_cache[0].data_ptr(),
             kv_cache[1].data_ptr(),
-            table.data_ptr(),
-            meta.seq_lens.data_ptr(),
+            rows.table.data_ptr(),
+            rows.seq_lens.data_ptr(),
             out.data_ptr(),
-            num_seqs,
+            num_rows,
             num_heads,
             num_kv_heads,
             head_dim,
             block_size,
-            table.shape[1],
-            self._max_seq_len,
+            rows.table.shape[1],
+            rows.max_seq_len,
             self.scale,
             sliding_window or 0,
             torch.get_num_threads(),
@@ -63,3 +131,15 @@ class CpuPagedAttention(SdpaAttention):
                 f"paged decode kernel failed (heads {num_heads}/{num_kv_heads}, dim {head_dim})"
             )
         return out
+
+
+@dataclass(frozen=True)
+class _KernelRows:
+    """One step's kernel rows: which query rows (``None``: the first ``num_rows``), each
+    row's block table and sequence length."""
+
+    query_rows: torch.Tensor | None
+    num_rows: int
+    table: torch.Tensor
+    seq_lens: torch.Tensor
+    max_seq_len: int
