@@ -1,6 +1,7 @@
 """Speculative decoding: tokens/s and tokens per target forward, with and without.
 
     python bench/specdec.py [--cases ngram-copy,trained-draft,random-draft] [--quick]
+        [--repeats 3]
 
 Every case runs the same requests in this process, one request at a time (batch 1,
 where decode is most memory-bound and speculation pays most): plainly, then in each
@@ -28,9 +29,10 @@ import argparse
 import json
 import os
 import resource
+import statistics
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 
 if __package__ in (None, ""):
@@ -39,6 +41,7 @@ if __package__ in (None, ""):
 import torch
 
 from engine import LLM, SamplingParams
+from engine.spec_decode.speculator import SpecDecodeStats
 
 RESULTS = Path("bench/results")
 HELD_OUT_FILES = 8  # well inside the 2% of the corpus that training holds out
@@ -74,28 +77,53 @@ class Run:
     other_load: float | None
 
 
-def measure(case: Case, kwargs: dict) -> tuple[Run, list[list[int]]]:
-    llm = LLM(case.target, dtype="float32", num_kv_blocks=1024, max_model_len=2048, **kwargs)
+def measure(case: Case, repeats: int) -> dict[str, tuple[Run, list[list[int]]]]:
+    """Every mode of ``case`` (plain first), each on its own engine, the timed passes
+    interleaved (plain, variant, ..., plain, variant, ...) so drifts in machine speed hit
+    every mode alike; tok/s is the median pass, the other figures cover all passes."""
     greedy = SamplingParams(temperature=0, max_tokens=case.max_tokens, ignore_eos=True)
-    llm.generate([case.prompts[0][:16]], SamplingParams(max_tokens=4))  # warm up
-    steps_before = llm.engine.num_steps
+    engines = {}
+    for label, kwargs in {"plain": {}, **case.variants}.items():
+        llm = LLM(case.target, dtype="float32", num_kv_blocks=1024, max_model_len=2048, **kwargs)
+        llm.generate([case.prompts[-1]], greedy)  # warm up: one whole request, not timed
+        spec = llm.engine.speculator
+        engines[label] = (llm, llm.engine.num_steps, replace(spec.stats) if spec else None)
+    passes: dict[str, list[float]] = {label: [] for label in engines}
+    outputs: dict[str, list[list[int]]] = {}
     meter = _Meter()
-    start = time.perf_counter()
-    outputs = [llm.generate([p], greedy)[0].token_ids for p in case.prompts]
-    seconds = time.perf_counter() - start
-    tokens = sum(len(o) for o in outputs)
-    stats = llm.engine.speculator.stats if llm.engine.speculator else None
-    run = Run(
-        tokens_per_s=tokens / seconds,
-        tokens_per_forward=tokens / (llm.engine.num_steps - steps_before),
-        acceptance_rate=stats.acceptance_rate if stats else None,
-        mean_accepted=stats.mean_accepted_per_verification if stats else None,
-        tokens_per_verification=stats.tokens_per_verification if stats else None,
-        proposer_share=stats.proposer_seconds / seconds if stats else None,
-        seconds=seconds,
-        other_load=meter.other_load(),
+    for _ in range(repeats):
+        for label, (llm, _, _) in engines.items():
+            start = time.perf_counter()
+            outputs[label] = [llm.generate([p], greedy)[0].token_ids for p in case.prompts]
+            passes[label].append(time.perf_counter() - start)
+    other_load = meter.other_load()
+    runs = {}
+    for label, (llm, steps_before, before) in engines.items():
+        tokens = sum(len(o) for o in outputs[label])
+        seconds = statistics.median(passes[label])
+        stats = None
+        if before is not None:
+            stats = _delta(llm.engine.speculator.stats, before)
+        runs[label] = (
+            Run(
+                tokens_per_s=tokens / seconds,
+                tokens_per_forward=tokens * repeats / (llm.engine.num_steps - steps_before),
+                acceptance_rate=stats.acceptance_rate if stats else None,
+                mean_accepted=stats.mean_accepted_per_verification if stats else None,
+                tokens_per_verification=stats.tokens_per_verification if stats else None,
+                proposer_share=stats.proposer_seconds / sum(passes[label]) if stats else None,
+                seconds=seconds,
+                other_load=other_load,
+            ),
+            outputs[label],
+        )
+    return runs
+
+
+def _delta(after: SpecDecodeStats, before: SpecDecodeStats) -> SpecDecodeStats:
+    return SpecDecodeStats(
+        **{f.name: getattr(after, f.name) - getattr(before, f.name) for f in fields(after)}
     )
-    return run, outputs
 
 
 class _Meter:
@@ -203,6 +231,7 @@ def main() -> int:
     parser.add_argument("--cases", default="ngram-copy,trained-draft,random-draft")
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=3, help="timed passes per mode")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     results = {}
@@ -211,15 +240,13 @@ def main() -> int:
         f"{'acc/ver':>7} {'tok/ver':>7} {'proposer':>8} {'other load':>10}"
     )
     for case in build_cases(args.cases.split(","), args.quick):
-        plain, reference = measure(case, {})
-        runs = {"plain": plain}
-        for label, kwargs in case.variants.items():
-            run, outputs = measure(case, kwargs)
+        measured = measure(case, args.repeats)
+        plain, reference = measured["plain"]
+        for label, (_, outputs) in measured.items():
             if outputs != reference:
                 raise SystemExit(f"{case.name} {label}: greedy output differs from plain decoding")
-            runs[label] = run
-        results[case.name] = {label: asdict(run) for label, run in runs.items()}
-        for label, run in runs.items():
+        results[case.name] = {label: asdict(run) for label, (run, _) in measured.items()}
+        for label, (run, _) in measured.items():
             speedup = run.tokens_per_s / plain.tokens_per_s
             print(
                 f"{case.name:14} {label:9} {run.tokens_per_s:8.1f} {speedup:7.2f}x "
