@@ -84,17 +84,7 @@ class CpuPagedAttention(SdpaAttention):
                 out.index_copy_(
                     0, rows.query_rows, self._run_kernel(picked, kv_cache, rows, sliding_window)
                 )
-        for seq, q_start, q_end, context_start in self._long_spans:
-            out[q_start:q_end] = self._prefill(
-                q[q_start:q_end],
-                k[q_start:q_end],
-                v[q_start:q_end],
-                kv_cache,
-                meta,
-                seq,
-                context_start,
-                sliding_window,
-            )
+        self._prefill_spans(out, q, k, v, kv_cache, meta, self._long_spans, sliding_window)
         return out
 
     def _run_kernel(

@@ -39,7 +39,22 @@ class SdpaAttention:
             out[: meta.num_decodes] = self._decode(
                 q[: meta.num_decodes], kv_cache, meta, sliding_window
             )
-        for seq, q_start, q_end, context_start in meta.prefill_spans():
+        self._prefill_spans(out, q, k, v, kv_cache, meta, meta.prefill_spans(), sliding_window)
+        return out
+
+    def _prefill_spans(
+        self,
+        out: torch.Tensor,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        spans: list[tuple[int, int, int, int]],
+        sliding_window: int | None,
+    ) -> None:
+        """Fill ``out`` for each prefill span (``AttentionMetadata.prefill_spans``)."""
+        for seq, q_start, q_end, context_start in spans:
             out[q_start:q_end] = self._prefill(
                 q[q_start:q_end],
                 k[q_start:q_end],
@@ -50,7 +65,6 @@ class SdpaAttention:
                 context_start,
                 sliding_window,
             )
-        return out
 
     def _prefill(
         self,
