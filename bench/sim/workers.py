@@ -20,6 +20,7 @@ event reports, completions); one step is one scheduled event, whatever the batch
 from __future__ import annotations
 
 import heapq
+from abc import ABC, abstractmethod
 from collections import OrderedDict, deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -114,7 +115,7 @@ class SimCache:
         return events
 
 
-class _Worker:
+class _Worker(ABC):
     def __init__(
         self,
         host: Host,
@@ -131,8 +132,9 @@ class _Worker:
         self.block_size = capacity.block_size
         self.cache = SimCache(capacity.num_kv_blocks, report)
 
+    @abstractmethod
     def record(self) -> WorkerRecord:
-        raise NotImplementedError
+        """What the registry would say of this worker now."""
 
     def _publish(self, events: list[KVCacheEvent]) -> None:
         if events:
