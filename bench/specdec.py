@@ -47,6 +47,7 @@ RESULTS = Path("bench/results")
 HELD_OUT_FILES = 8  # well inside the 2% of the corpus that training holds out
 COPY_SNIPPET_CHARS = 320  # ~100 tokens: prompt + answer stay within the 256 trained positions
 COPY_MAX_TOKENS = 96
+NGRAM_KS = (4, 8)  # n-gram drafts cost nothing to propose; only verification limits k
 ASSETS = Path(__file__).resolve().parent.parent / "engine" / "assets" / "trained"
 
 
@@ -166,7 +167,10 @@ def build_cases(names: list[str], quick: bool) -> list[Case]:
             Case(
                 "ngram-copy",
                 str(target),
-                {"ngram": {"speculative_method": "ngram"}},
+                {
+                    f"ngram k={k}": {"speculative_method": "ngram", "num_speculative_tokens": k}
+                    for k in NGRAM_KS
+                },
                 [tokenizer.encode(p) for p in copy_prompts(n)],
                 min(max_tokens, COPY_MAX_TOKENS),
             )
@@ -236,7 +240,7 @@ def main() -> int:
     torch.set_num_threads(args.threads)
     results = {}
     print(
-        f"{'case':14} {'mode':9} {'tok/s':>8} {'speedup':>8} {'tok/fwd':>8} {'accept':>7} "
+        f"{'case':14} {'mode':11} {'tok/s':>8} {'speedup':>8} {'tok/fwd':>8} {'accept':>7} "
         f"{'acc/ver':>7} {'tok/ver':>7} {'proposer':>8} {'other load':>10}"
     )
     for case in build_cases(args.cases.split(","), args.quick):
@@ -249,7 +253,7 @@ def main() -> int:
         for label, (run, _) in measured.items():
             speedup = run.tokens_per_s / plain.tokens_per_s
             print(
-                f"{case.name:14} {label:9} {run.tokens_per_s:8.1f} {speedup:7.2f}x "
+                f"{case.name:14} {label:11} {run.tokens_per_s:8.1f} {speedup:7.2f}x "
                 f"{run.tokens_per_forward:8.2f} {_pct(run.acceptance_rate):>7} "
                 f"{_num(run.mean_accepted):>7} {_num(run.tokens_per_verification):>7} "
                 f"{_pct(run.proposer_share):>8} {_num(run.other_load):>10}"

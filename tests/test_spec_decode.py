@@ -91,6 +91,12 @@ def test_draft_equal_to_target_accepts_everything(target, prompts, reference) ->
     assert [o.token_ids for o in outs] == reference
     # 40 tokens in steps of 5 (after the prefill step): far fewer target passes.
     assert llm.engine.num_steps < 15
+    # The drafts came from the native forward (prompt catch-ups from the torch one).
+    from engine.attention.native import paged_decode_library
+    from tandem.sampling_params import SpecMethod
+
+    proposer = llm.engine.speculator.proposers[SpecMethod.DRAFT]
+    assert (proposer.native is not None) == (paged_decode_library() is not None)
 
 
 def test_greedy_unchanged_under_preemption(target, draft, prompts, reference) -> None:
@@ -218,6 +224,16 @@ def test_ngram_lookup_continues_the_latest_longest_match() -> None:
     tokens = np.array([5, 6, 7, 8, 9, 1, 6, 7, 2, 3, 6, 7])
     assert lookup(tokens, 3, 1, 3) == [2, 3, 6]  # "6 7" last seen before "2 3 6"
     assert lookup(np.array([1, 2, 3]), 3, 1, 3) == []
+
+
+def test_ngram_lookup_extends_a_loop_by_its_period() -> None:
+    import numpy as np
+
+    # "1 2" last seen 3 tokens back: what followed is "9 1 2", a period of 3, repeated.
+    tokens = np.array([4, 1, 2, 9, 1, 2])
+    assert lookup(tokens, 7, 1, 2) == [9, 1, 2, 9, 1, 2, 9]
+    assert lookup(np.array([3, 3, 3]), 4, 1, 2) == [3, 3, 3, 3]
+    assert lookup(tokens, 2, 1, 2) == [9, 1]
 
 
 def test_adaptive_k_backs_off_and_probes_again() -> None:

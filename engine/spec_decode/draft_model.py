@@ -7,7 +7,9 @@ batched across requests. Drafted tokens the target rejected are rolled back at t
 proposal: the draft's computed tokens shrink to the longest prefix it shares with the
 request, and the blocks past it are trimmed. Greedy requests draft greedily; sampled
 ones draw from the draft's own distribution under the request's temperature and
-filters, and those distributions go to the rejection sampler.
+filters, and those distributions go to the rejection sampler. A small float32 draft on
+the CPU runs its forwards natively (``engine.models.native_decode``): a step of a few
+tokens is then one call instead of a few dozen torch operators.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import torch
 from engine.block_pool import BlockPool
 from engine.kv_cache_manager import KVCacheManager
 from engine.model_runner import ModelRunner
+from engine.models.native_decode import MAX_ROWS, NativeDecoder
 from engine.request import Request
 from engine.sampler import SamplingRow, filtered_probs
 from engine.scheduler import ScheduledChunk
@@ -44,10 +47,21 @@ class DraftSequence:
 
 
 class DraftModelProposer:
-    def __init__(self, runner: ModelRunner, num_blocks: int, block_size: int, seed: int) -> None:
-        """``runner``: the draft model (same tokenizer as the target), KV allocated by us."""
+    def __init__(
+        self,
+        runner: ModelRunner,
+        num_blocks: int,
+        block_size: int,
+        seed: int,
+        native: bool = True,
+    ) -> None:
+        """``runner``: the draft model (same tokenizer as the target), KV allocated by us.
+        ``native``: run small steps through ``NativeDecoder`` where it supports the model."""
         self.runner = runner
         runner.allocate_kv_cache(num_blocks)
+        self.native = None
+        if native and NativeDecoder.supports(runner.model):
+            self.native = NativeDecoder(runner.model, runner.kv_caches, block_size)
         self.kv = KVCacheManager(BlockPool(num_blocks), block_size)
         self.generator = torch.Generator(runner.device).manual_seed(seed)
         self._seqs: dict[str, DraftSequence] = {}
@@ -60,7 +74,7 @@ class DraftModelProposer:
         step = 0
         while active:
             chunks = [self._next_chunk(s) for _, s, _ in active]
-            logits = self.runner.last_logits(chunks)
+            logits = self._last_logits(chunks)
             for (request, seq, _), chunk, row in zip(active, chunks, logits, strict=True):
                 seq.num_computed_tokens = chunk.end
                 self.kv.publish_full_blocks(seq)
@@ -75,6 +89,11 @@ class DraftModelProposer:
             rid: Proposal(tokens, torch.stack(probs[rid]) if probs[rid] else None)
             for rid, tokens in drafts.items()
         }
+
+    def _last_logits(self, chunks: list[ScheduledChunk]) -> torch.Tensor:
+        if self.native is not None and sum(c.num_tokens for c in chunks) <= MAX_ROWS:
+            return self.native.last_logits(chunks)
+        return self.runner.last_logits(chunks)
 
     def forget(self, request_id: str) -> None:
         seq = self._seqs.pop(request_id, None)

@@ -3,8 +3,11 @@ propose the tokens that followed them there.
 
 Free to run and exact when the output copies its input (editing, extraction, code that
 repeats a pattern). The longest suffix (``max_n`` down to ``min_n``) with an earlier
-match wins, and among its matches the most recent. Costs one vectorized scan of the
-request's tokens per n per step.
+match wins, and among its matches the most recent. When the continuation runs into the
+end of the text (the match is less than ``k`` tokens back, as in a loop) it is read as a
+period and repeated: after ``a b c a b``, ``c a b c`` rather than just ``c a b``. Costs one
+vectorized scan of the request's tokens per step, then one pass over the surviving
+matches per further token matched.
 """
 
 from __future__ import annotations
@@ -39,13 +42,23 @@ class NgramProposer:
 
 def lookup(tokens: np.ndarray, k: int, min_n: int, max_n: int) -> list[int]:
     """Up to ``k`` tokens that followed the latest earlier occurrence of the longest
-    matching suffix of ``tokens``."""
+    matching suffix of ``tokens``; a continuation cut short by the end of ``tokens``
+    repeats with the period ``len(tokens) - start``."""
     length = len(tokens)
-    for n in range(min(max_n, length - 1), min_n - 1, -1):
-        suffix = tokens[length - n :]
-        windows = np.lib.stride_tricks.sliding_window_view(tokens[: length - 1], n)
-        hits = np.flatnonzero((windows == suffix).all(axis=1))
-        if hits.size:
-            start = int(hits[-1]) + n
-            return tokens[start : start + k].tolist()
-    return []
+    # Earlier positions holding the last token, then narrowed to those whose preceding
+    # tokens match too, one more each round: what is left matches the longest suffix.
+    ends = np.flatnonzero(tokens[: length - 1] == tokens[length - 1])
+    n = 1 if ends.size else 0
+    while n < max_n:
+        room = ends[ends >= n]
+        longer = room[tokens[room - n] == tokens[length - 1 - n]]
+        if not longer.size:
+            break
+        ends, n = longer, n + 1
+    if n < min_n:
+        return []
+    start = int(ends[-1]) + 1
+    period = length - start
+    if period >= k:
+        return tokens[start : start + k].tolist()
+    return np.resize(tokens[start:], k).tolist()

@@ -109,3 +109,128 @@ int tandem_paged_decode_f32(const float *q, const float *k_cache, const float *v
     }
     return failed ? -1 : 0;
 }
+
+/* ---------------------------------------------------------------------------------------
+ * A whole Llama-family forward for a few tokens, one token ("row") at a time, float32.
+ *
+ * For small models at small batch a step is mostly per-operator overhead (a dozen torch
+ * calls per layer, each a few microseconds, around matrix products of a few microseconds),
+ * so a draft model's step costs half the target's whatever its size. Here one call runs
+ * every layer of every row: embedding, RMSNorm, fused QKV (+ bias), rotary (rotate-half
+ * layout, cos/sin tables from the model), the row's K/V written to the paged cache and
+ * attended causally through the block table (the kernel above, one row), output
+ * projection, SwiGLU MLP, residuals, final norm and, for the rows asked for, the logits.
+ * Rows run in the order given, so a row sees the K/V of the earlier rows of its sequence.
+ * Matrix-vector products of at least PARALLEL_MACS multiply-adds are split over threads.
+ */
+
+typedef struct {
+    const float *input_norm; /* [hidden] */
+    const float *qkv;        /* [(heads + 2 kv_heads) * head_dim, hidden] */
+    const float *qkv_bias;   /* [(heads + 2 kv_heads) * head_dim] or NULL */
+    const float *o;          /* [hidden, heads * head_dim] */
+    const float *post_norm;  /* [hidden] */
+    const float *gate_up;    /* [2 * intermediate, hidden]: gate rows, then up rows */
+    const float *down;       /* [hidden, intermediate] */
+    float *k_cache;          /* [num_blocks, block_size, kv_heads, head_dim] */
+    float *v_cache;
+    int64_t window;          /* sliding window, 0: none */
+} TandemLayer;
+
+typedef struct {
+    int64_t num_layers, hidden, num_heads, num_kv_heads, head_dim, intermediate, vocab;
+    int64_t block_size, max_positions;
+    float eps, scale;
+    const float *embed, *final_norm, *lm_head, *cos, *sin; /* cos/sin: [max_positions, head_dim] */
+} TandemModel;
+
+#define PARALLEL_MACS 131072
+
+static void matvec(const float *w, const float *bias, const float *x, float *y, int64_t out,
+                   int64_t in, int num_threads) {
+#pragma omp parallel for num_threads(num_threads) if (out * in >= PARALLEL_MACS) schedule(static)
+    for (int64_t o = 0; o < out; o++) y[o] = dot(w + o * in, x, in) + (bias ? bias[o] : 0.0f);
+}
+
+static void rms_norm(const float *x, const float *weight, float *y, int64_t n, float eps) {
+    float squares = 0.0f;
+#pragma omp simd reduction(+ : squares)
+    for (int64_t i = 0; i < n; i++) squares += x[i] * x[i];
+    const float inv = 1.0f / sqrtf(squares / (float)n + eps);
+#pragma omp simd
+    for (int64_t i = 0; i < n; i++) y[i] = weight[i] * (x[i] * inv);
+}
+
+static void rotate(float *x, int64_t num_heads, int64_t head_dim, const float *cos,
+                   const float *sin) {
+    const int64_t half = head_dim / 2;
+    for (int64_t h = 0; h < num_heads; h++) {
+        float *v = x + h * head_dim;
+        for (int64_t i = 0; i < half; i++) {
+            const float a = v[i], b = v[i + half];
+            v[i] = a * cos[i] - b * sin[i];
+            v[i + half] = b * cos[i + half] + a * sin[i + half];
+        }
+    }
+}
+
+/* Returns 0; -1 when a work buffer could not be allocated; -2 for a position outside the
+ * rotary tables. */
+int tandem_llama_rows_f32(const TandemModel *m, const TandemLayer *layers, int64_t num_rows,
+                          const int64_t *tokens, const int64_t *positions,
+                          const int64_t *tables, int64_t max_blocks, const int64_t *row_table,
+                          const int64_t *logit_rows, float *logits, int num_threads) {
+    const int64_t d = m->hidden, hd = m->head_dim, heads = m->num_heads, kvh = m->num_kv_heads;
+    const int64_t q_size = heads * hd, kv_size = kvh * hd, inter = m->intermediate;
+    int64_t max_len = 1;
+    for (int64_t r = 0; r < num_rows; r++) {
+        if (positions[r] < 0 || positions[r] >= m->max_positions) return -2;
+        if (positions[r] + 1 > max_len) max_len = positions[r] + 1;
+    }
+    float *h = malloc(sizeof(float) * d), *x = malloc(sizeof(float) * d);
+    float *qkv = malloc(sizeof(float) * (q_size + 2 * kv_size));
+    float *attn = malloc(sizeof(float) * q_size), *mlp = malloc(sizeof(float) * 2 * inter);
+    float *scores = malloc(sizeof(float) * heads * max_len), *totals = malloc(sizeof(float) * heads);
+    int status = 0;
+    if (!h || !x || !qkv || !attn || !mlp || !scores || !totals) status = -1;
+    for (int64_t r = 0; r < num_rows && status == 0; r++) {
+        const int64_t pos = positions[r];
+        const int64_t *table = tables + row_table[r] * max_blocks;
+        const float *cos = m->cos + pos * hd, *sin = m->sin + pos * hd;
+        memcpy(h, m->embed + tokens[r] * d, sizeof(float) * d);
+        for (int64_t l = 0; l < m->num_layers; l++) {
+            const TandemLayer *L = layers + l;
+            rms_norm(h, L->input_norm, x, d, m->eps);
+            matvec(L->qkv, L->qkv_bias, x, qkv, q_size + 2 * kv_size, d, num_threads);
+            rotate(qkv, heads, hd, cos, sin);
+            rotate(qkv + q_size, kvh, hd, cos, sin);
+            const int64_t slot = slot_of(table, pos, m->block_size) * kv_size;
+            memcpy(L->k_cache + slot, qkv + q_size, sizeof(float) * kv_size);
+            memcpy(L->v_cache + slot, qkv + q_size + kv_size, sizeof(float) * kv_size);
+            const int64_t len = pos + 1;
+            const int64_t lo = (L->window > 0 && len > L->window) ? len - L->window : 0;
+            scores_of(qkv, L->k_cache, table, lo, len - lo, heads, heads / kvh, kv_size, hd,
+                      m->block_size, m->scale, scores);
+            softmax_numerators(scores, len - lo, heads, totals);
+            weighted_values(scores, totals, L->v_cache, table, lo, len - lo, heads, heads / kvh,
+                            kv_size, hd, m->block_size, attn);
+            matvec(L->o, NULL, attn, x, d, q_size, num_threads);
+            for (int64_t i = 0; i < d; i++) h[i] += x[i];
+            rms_norm(h, L->post_norm, x, d, m->eps);
+            matvec(L->gate_up, NULL, x, mlp, 2 * inter, d, num_threads);
+            for (int64_t i = 0; i < inter; i++) {
+                const float g = mlp[i];
+                mlp[i] = g / (1.0f + expf(-g)) * mlp[inter + i];
+            }
+            matvec(L->down, NULL, mlp, x, d, inter, num_threads);
+            for (int64_t i = 0; i < d; i++) h[i] += x[i];
+        }
+        if (logit_rows[r] >= 0) {
+            rms_norm(h, m->final_norm, x, d, m->eps);
+            matvec(m->lm_head, NULL, x, logits + logit_rows[r] * m->vocab, m->vocab, d,
+                   num_threads);
+        }
+    }
+    free(h); free(x); free(qkv); free(attn); free(mlp); free(scores); free(totals);
+    return status;
+}
