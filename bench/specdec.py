@@ -7,9 +7,11 @@ Every case runs the same requests in this process, one request at a time (batch 
 where decode is most memory-bound and speculation pays most): plainly, then in each
 speculative configuration. Greedy output must be identical (checked). Cases:
 
-* ``ngram-copy``: n-gram prompt lookup on a copy-heavy workload — prompts holding a
-  block of code and asking for it again, which the trained model then repeats (editing
-  and extraction look like this);
+* ``ngram-copy``: n-gram prompt lookup, k = 4 and k = 8, on a copy-heavy workload —
+  prompts holding a block of code and asking for it again (editing and extraction look
+  like this). The 3M-parameter trained target does not copy on request (it has not
+  learned to); its greedy output repeats *itself* instead, and that repetition is what
+  the lookup catches (``copy_sources`` measures both);
 * ``trained-draft``: the trained draft proposing for the trained target
   (``engine/assets/trained``), on held-out snippets of the training corpus, with k = 4
   fixed and with the adaptive k;
@@ -210,9 +212,29 @@ def build_cases(names: list[str], quick: bool) -> list[Case]:
 
 
 def copy_prompts(n: int) -> list[str]:
-    """Code followed by a request to write it out again: the answer copies the prompt."""
+    """Code followed by a request to write it out again (from its first quarter on)."""
     snippets = corpus_snippets(n, length=COPY_SNIPPET_CHARS)
     return [f"{s}\n\n# The same code again:\n{s[: len(s) // 4]}" for s in snippets]
+
+
+def copy_sources(
+    prompts: list[list[int]], outputs: list[list[int]], n: int = 4
+) -> tuple[float, float]:
+    """Where the outputs' n-grams come from: the share found in the prompt, and the share
+    found only earlier in the output (repetition)."""
+    total = in_prompt = in_output = 0
+    for prompt, output in zip(prompts, outputs, strict=True):
+        seen_prompt = {tuple(prompt[i : i + n]) for i in range(len(prompt) - n + 1)}
+        seen_output: set[tuple[int, ...]] = set()
+        for end in range(n, len(output) + 1):
+            gram = tuple(output[end - n : end])
+            total += 1
+            if gram in seen_prompt:
+                in_prompt += 1
+            elif gram in seen_output:
+                in_output += 1
+            seen_output.add(gram)
+    return (in_prompt / total, in_output / total) if total else (0.0, 0.0)
 
 
 def corpus_prompts(n: int) -> list[str]:
@@ -250,6 +272,13 @@ def main() -> int:
             if outputs != reference:
                 raise SystemExit(f"{case.name} {label}: greedy output differs from plain decoding")
         results[case.name] = {label: asdict(run) for label, (run, _) in measured.items()}
+        if case.name == "ngram-copy":
+            from_prompt, from_output = copy_sources(case.prompts, reference)
+            results[case.name]["copy_sources"] = {"prompt": from_prompt, "output": from_output}
+            print(
+                f"ngram-copy: output 4-grams found in the prompt {from_prompt:.1%}, "
+                f"only earlier in the output {from_output:.1%}"
+            )
         for label, (run, _) in measured.items():
             speedup = run.tokens_per_s / plain.tokens_per_s
             print(

@@ -244,3 +244,28 @@ def test_adaptive_k_backs_off_and_probes_again() -> None:
         controller.observe(proposed=4, accepted=0)
     ks = [controller.next_k(0.3) for _ in range(32)]
     assert set(ks) == {0, 1} and ks.count(1) == 2  # a probe every 16 steps
+    # Probes that fail space out: 16, 32, 64, ... steps apart; one that succeeds resets it.
+    gaps, since = [], 0
+    for _ in range(16 + 32 + 64 + 128):
+        since += 1
+        if controller.next_k(0.3):
+            controller.observe(proposed=1, accepted=0)
+            gaps.append(since)
+            since = 0
+    assert gaps == [16, 32, 64, 128]
+    while not controller.next_k(0.3):
+        pass
+    controller.observe(proposed=1, accepted=1)
+    assert controller.probe_every == 16
+
+
+def test_adaptive_k_estimates_the_per_draft_acceptance() -> None:
+    # Accepting 2 of 4 drafts, then a rejection, every time: each tested draft passes with
+    # probability 2/3 (the two after the rejection were never tested).
+    controller = AdaptiveK(k_max=4)
+    for _ in range(40):
+        controller.observe(proposed=4, accepted=2)
+    assert controller.acceptance == pytest.approx(2 / 3, abs=1e-3)
+    for _ in range(40):
+        controller.observe(proposed=4, accepted=4)
+    assert controller.acceptance > 0.99

@@ -33,10 +33,11 @@ def build_speculator(
     cost = {SpecMethod.NGRAM: 0.0}
     if config.draft_model is not None:
         draft = ModelConfig.from_dir(config.draft_model)
-        proposers[SpecMethod.DRAFT] = _draft_proposer(
-            config, runtime, target, draft, eos_token_ids, num_blocks
+        proposer = _draft_proposer(config, runtime, target, draft, eos_token_ids, num_blocks)
+        proposers[SpecMethod.DRAFT] = proposer
+        cost[SpecMethod.DRAFT] = relative_step_cost(
+            draft, target, runtime.device.type, native_draft=proposer.native is not None
         )
-        cost[SpecMethod.DRAFT] = relative_step_cost(draft, target, runtime.device.type)
     speculation = SpeculationConfig(
         method,
         config.num_speculative_tokens,
@@ -53,17 +54,24 @@ layer of a ~3M-parameter model costs about 70 us beyond its arithmetic; on a GPU
 CUDA graphs, a dozen launches of ~4 us each while HBM could have streamed ~50M weights.
 They matter for small drafts, whose steps are mostly overhead."""
 
+NATIVE_LAYER_OVERHEAD_MACS = 100_000
+"""The same for a draft whose forward runs natively (``engine.models.native_decode``):
+about 5 us per layer on the 2-core CPU."""
 
-def relative_step_cost(draft: ModelConfig, target: ModelConfig, device_type: str) -> float:
+
+def relative_step_cost(
+    draft: ModelConfig, target: ModelConfig, device_type: str, native_draft: bool = False
+) -> float:
     """A draft decode step's cost in target decode steps: multiply-adds per token plus a
     fixed overhead per layer. An estimate from the configs, not a timing, so the adaptive
     k (and with it a seeded request's random stream) never depends on machine speed."""
     overhead = LAYER_OVERHEAD_MACS.get(device_type, LAYER_OVERHEAD_MACS["cuda"])
+    draft_overhead = NATIVE_LAYER_OVERHEAD_MACS if native_draft else overhead
 
-    def cost(model: ModelConfig) -> float:
-        return flops_per_token(model) + overhead * model.num_layers
+    def cost(model: ModelConfig, per_layer: int) -> float:
+        return flops_per_token(model) + per_layer * model.num_layers
 
-    return cost(draft) / cost(target)
+    return cost(draft, draft_overhead) / cost(target, overhead)
 
 
 def flops_per_token(model: ModelConfig) -> int:
