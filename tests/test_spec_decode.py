@@ -269,3 +269,20 @@ def test_adaptive_k_estimates_the_per_draft_acceptance() -> None:
     for _ in range(40):
         controller.observe(proposed=4, accepted=4)
     assert controller.acceptance > 0.99
+
+
+def test_a_draft_that_cannot_follow_the_target_is_refused(target, draft, tmp_path) -> None:
+    import json
+    import shutil
+
+    for field, value, message in (
+        ("vocab_size", 1024, "share the target's tokenizer"),
+        ("max_position_embeddings", 256, "below max_model_len"),
+    ):
+        bad = tmp_path / field
+        shutil.copytree(draft, bad)
+        config = json.loads((bad / "config.json").read_text())
+        config[field] = value
+        (bad / "config.json").write_text(json.dumps(config))
+        with pytest.raises(ValueError, match=message):
+            LLM(target, dtype="float32", num_kv_blocks=256, draft_model=str(bad))

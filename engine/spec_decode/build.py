@@ -94,6 +94,12 @@ def _draft_proposer(
             f"draft_model's vocabulary ({draft.vocab_size}) differs from the target's "
             f"({target.vocab_size}); a draft must share the target's tokenizer"
         )
+    if draft.max_position_embeddings < runtime.max_model_len:
+        raise ValueError(
+            f"draft_model's max_position_embeddings ({draft.max_position_embeddings}) is "
+            f"below max_model_len ({runtime.max_model_len}): the draft could not follow "
+            "long requests; lower max_model_len or use a draft with a longer context"
+        )
     layout = KVCacheLayout(
         runtime.block_size, draft.num_layers, draft.num_kv_heads, draft.head_dim, runtime.dtype
     )
