@@ -69,3 +69,18 @@ def test_the_report_formats(shared: dict[str, SimResult]) -> None:
     assert "| prefix_aware |" in table and "vs oracle" in table
     targets = format_targets({("shared", r): res for r, res in shared.items()})
     assert "- [x] shared: prefill tokens vs oracle" in targets
+
+
+def test_the_guard_flags_reach_the_simulated_router() -> None:
+    """``bench/sim/run.py --imbalance-slack``: a cell's prefill cost is the router's. On a
+    nearly idle pool the default slack keeps a hot prefix on few workers; without slack
+    it spreads, evening out the work."""
+    from bench.sim.run import Cell, run_cell
+    from router.prefix_policy import PrefixCost
+
+    workload = WorkloadSpec(Shape.SKEWED, rate=200.0, num_requests=1600, num_prefixes=40)
+    results = [
+        run_cell(Cell(workload, "prefix_aware", FLEET, "tiny", PrefixCost(imbalance_slack=s)))
+        for s in (256.0, 0.0)
+    ]
+    assert results[1].work_imbalance < results[0].work_imbalance

@@ -3,7 +3,8 @@
     python bench/sim/run.py [--workloads chat,shared,unique,skewed]
         [--routers round_robin,least_loaded,prefix_aware,oracle]
         [--prefill-workers 500 --decode-workers 500 --rate 10000 --duration 60 --warmup 10]
-        [--calibration tiny] [--event-lag-ms 5] [--jobs 2] [--json OUT] [--wait-quiet S]
+        [--calibration tiny] [--event-lag-ms 5] [--imbalance-limit 1.25]
+        [--imbalance-slack 256] [--jobs 2] [--json OUT] [--wait-quiet S]
 
 Every (workload, router) cell is one simulation of the same requests (a cell per
 process, ``--jobs`` at a time). Prints, per workload, each router's hit rate, prefill
@@ -30,6 +31,8 @@ from bench.machine_load import OtherLoad, wait_for_quiet
 from bench.prefix_workloads import Shape, WorkloadSpec, generate
 from bench.sim.calibration import Calibration
 from bench.sim.fleet import ROUTERS, FleetSim, FleetSpec, SimResult
+from router.prefix_policy import PrefixCost
+from tandem.registry import WorkerRole
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,6 +41,7 @@ class Cell:
     router: str
     fleet: FleetSpec
     calibration: str
+    prefill_cost: PrefixCost
 
 
 def workload_specs(rate: float, duration_s: float, num_prefill: int, seed: int = 0):
@@ -54,7 +58,9 @@ def workload_specs(rate: float, duration_s: float, num_prefill: int, seed: int =
 
 
 def run_cell(cell: Cell) -> SimResult:
-    sim = FleetSim(cell.fleet, Calibration.named(cell.calibration), cell.router)
+    sim = FleetSim(
+        cell.fleet, Calibration.named(cell.calibration), cell.router, prefill_cost=cell.prefill_cost
+    )
     return sim.run(generate(cell.workload))
 
 
@@ -71,7 +77,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     specs = workload_specs(args.rate, args.duration + args.warmup, args.prefill_workers)
     workloads = args.workloads.split(",")
     routers = args.routers.split(",")
-    cells = [Cell(specs[w], r, fleet, args.calibration) for w in workloads for r in routers]
+    cost = PrefixCost(imbalance_limit=args.imbalance_limit, imbalance_slack=args.imbalance_slack)
+    cells = [Cell(specs[w], r, fleet, args.calibration, cost) for w in workloads for r in routers]
     meter, started = OtherLoad.start(), time.monotonic()
     with multiprocessing.get_context("spawn").Pool(args.jobs) as pool:
         results = pool.map(run_cell, cells, chunksize=1)
@@ -105,6 +112,14 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--warmup", type=float, default=10.0, help="seconds before measuring")
     p.add_argument("--calibration", default="tiny", help="bench/sim/calibration_<name>.json")
     p.add_argument("--event-lag-ms", type=float, default=5.0)
+    defaults = PrefixCost.default_for(WorkerRole.PREFILL)
+    p.add_argument(
+        "--imbalance-limit",
+        type=float,
+        default=defaults.imbalance_limit,
+        help="prefill pool's load guard, as the router's flag",
+    )
+    p.add_argument("--imbalance-slack", type=float, default=defaults.imbalance_slack)
     p.add_argument("--jobs", type=int, default=2, help="simulations at once")
     p.add_argument("--json", type=Path)
     p.add_argument("--wait-quiet", type=float, default=0.0, metavar="S")
@@ -116,7 +131,8 @@ def _header(args, fleet: FleetSpec, wall_s: float, other: float | None) -> str:
     return (
         f"{fleet.num_prefill} prefill + {fleet.num_decode} decode workers, "
         f"{args.rate:g} requests/s, {args.duration:g} s measured after {args.warmup:g} s, "
-        f"calibration {args.calibration!r}, event lag {args.event_lag_ms:g} ms; "
+        f"calibration {args.calibration!r}, event lag {args.event_lag_ms:g} ms, prefill guard "
+        f"{args.imbalance_limit:g} x mean + {args.imbalance_slack:g}; "
         f"{wall_s:.0f} s wall, other processes used {load} cores"
     )
 
