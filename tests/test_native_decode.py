@@ -100,3 +100,42 @@ def test_native_decoder_declines_what_it_cannot_run(make_checkpoint) -> None:
     )
     assert not NativeDecoder.supports(packed.model)  # the weights now live in oneDNN's layout
     assert not NativeDecoder.supports(_runner(model_dir).model.to(torch.bfloat16))
+
+
+def test_bad_rows_are_refused_before_anything_is_written(make_checkpoint) -> None:
+    runner = _runner(make_checkpoint("llama"), num_blocks=8)
+    native = NativeDecoder(runner.model, runner.kv_caches, BLOCK)
+    before = [c.clone() for c in runner.kv_caches]
+    vocab = runner.model.config.vocab_size
+    cases = [
+        (_chunk(DraftSequence("a", [5, vocab]), 0, 2, (1,)), "outside the vocabulary"),
+        (_chunk(DraftSequence("b", list(range(3, 3 + BLOCK + 1))), 0, BLOCK + 1, (1,)), "block"),
+    ]
+    for chunk, message in cases:
+        with pytest.raises(RuntimeError, match=message):
+            native.last_logits([chunk])
+    with pytest.raises(ValueError, match="at least one token"):
+        native.last_logits([_chunk(DraftSequence("c", [5, 6]), 2, 2, (1,))])
+    assert all(torch.equal(a, b) for a, b in zip(before, runner.kv_caches, strict=True))
+
+
+def test_a_draft_asked_twice_without_progress_recomputes_the_last_token(make_checkpoint) -> None:
+    """A request the target's step budget skipped is proposed for again with no new
+    token: the draft recomputes its last token instead of running an empty chunk (which
+    would hand it another request's logits)."""
+    from types import SimpleNamespace
+
+    from engine.spec_decode.draft_model import DraftModelProposer
+    from tandem.sampling_params import SamplingParams
+
+    model_dir = make_checkpoint("llama")
+    proposer = DraftModelProposer(_runner(model_dir, num_blocks=0), 16, BLOCK, seed=0)
+    greedy = SamplingParams(temperature=0, max_tokens=8)
+    a = SimpleNamespace(request_id="a", all_token_ids=list(range(3, 23)), sampling_params=greedy)
+    b = SimpleNamespace(request_id="b", all_token_ids=list(range(40, 49)), sampling_params=greedy)
+    first = proposer.propose([(a, 3), (b, 3)])
+    again = proposer.propose([(a, 3), (b, 3)])  # neither advanced
+    assert again["a"].token_ids == first["a"].token_ids
+    assert again["b"].token_ids == first["b"].token_ids
+    alone = DraftModelProposer(_runner(model_dir, num_blocks=0), 16, BLOCK, seed=0)
+    assert alone.propose([(b, 3)])["b"].token_ids == first["b"].token_ids

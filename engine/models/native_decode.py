@@ -71,6 +71,12 @@ class NativeDecoder:
             *[ctypes.c_void_p] * 3,
             ctypes.c_int,
         ]
+        for cache in kv_caches:
+            if not cache.is_contiguous():
+                raise ValueError(
+                    "NativeDecoder writes the KV cache in place: it must be contiguous"
+                )
+        self._owners = (model, list(kv_caches))  # the pointers below stay valid while these live
         config = model.config
         stack = model.model
         self.vocab = config.vocab_size
@@ -144,6 +150,8 @@ class NativeDecoder:
         position, ``[len(chunks), V]`` in the given order (``ModelRunner.last_logits``)."""
         tokens, positions, row_table, logit_rows = [], [], [], []
         for i, chunk in enumerate(chunks):
+            if chunk.num_tokens < 1 or chunk.draft_token_ids:
+                raise ValueError("NativeDecoder runs chunks of at least one token, without drafts")
             own = chunk.request.all_token_ids[chunk.start : chunk.end]
             tokens.extend(own)
             positions.extend(range(chunk.start, chunk.end))
@@ -154,7 +162,7 @@ class NativeDecoder:
         for i, chunk in enumerate(chunks):
             tables[i, : len(chunk.block_ids)] = chunk.block_ids
         arrays = [np.asarray(a, dtype=np.int64) for a in (tokens, positions, row_table, logit_rows)]
-        logits = torch.empty(len(chunks), self.vocab)
+        logits = torch.empty(len(chunks), self.vocab, dtype=torch.float32)
         status = self._fn(
             self._model,
             self._layers,
@@ -169,5 +177,14 @@ class NativeDecoder:
             torch.get_num_threads(),
         )
         if status != 0:
-            raise RuntimeError(f"native decode failed (status {status}, positions {positions})")
+            why = _FAILURES.get(status, f"status {status}")
+            raise RuntimeError(f"native decode failed: {why}")
         return logits
+
+
+_FAILURES = {
+    -1: "out of memory for work buffers",
+    -2: "a position outside the rotary tables",
+    -3: "a token id outside the vocabulary",
+    -4: "a position past the end of its block table",
+}

@@ -114,8 +114,10 @@ class DraftModelProposer:
             seq.num_computed_tokens = prefix.num_tokens
             self._seqs[request.request_id] = seq
             return seq
+        # At least the last token is (re)computed: its logits are the first draft's. (A
+        # request the target skipped last step has no new token; its KV is rewritten.)
         seq.num_computed_tokens = min(
-            seq.num_computed_tokens, _common_prefix(seq.all_token_ids, tokens)
+            seq.num_computed_tokens, _common_prefix(seq.all_token_ids, tokens), len(tokens) - 1
         )
         seq.all_token_ids = list(tokens)
         self.kv.trim(seq)

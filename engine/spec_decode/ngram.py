@@ -45,6 +45,8 @@ def lookup(tokens: np.ndarray, k: int, min_n: int, max_n: int) -> list[int]:
     matching suffix of ``tokens``; a continuation cut short by the end of ``tokens``
     repeats with the period ``len(tokens) - start``."""
     length = len(tokens)
+    if length < 2:
+        return []
     # Earlier positions holding the last token, then narrowed to those whose preceding
     # tokens match too, one more each round: what is left matches the longest suffix.
     ends = np.flatnonzero(tokens[: length - 1] == tokens[length - 1])

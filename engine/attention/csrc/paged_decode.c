@@ -175,7 +175,8 @@ static void rotate(float *x, int64_t num_heads, int64_t head_dim, const float *c
 }
 
 /* Returns 0; -1 when a work buffer could not be allocated; -2 for a position outside the
- * rotary tables. */
+ * rotary tables, -3 for a token outside the vocabulary, -4 for a position past the end of
+ * its block table (checked before anything is written). */
 int tandem_llama_rows_f32(const TandemModel *m, const TandemLayer *layers, int64_t num_rows,
                           const int64_t *tokens, const int64_t *positions,
                           const int64_t *tables, int64_t max_blocks, const int64_t *row_table,
@@ -185,6 +186,8 @@ int tandem_llama_rows_f32(const TandemModel *m, const TandemLayer *layers, int64
     int64_t max_len = 1;
     for (int64_t r = 0; r < num_rows; r++) {
         if (positions[r] < 0 || positions[r] >= m->max_positions) return -2;
+        if (tokens[r] < 0 || tokens[r] >= m->vocab) return -3;
+        if (positions[r] / m->block_size >= max_blocks) return -4;
         if (positions[r] + 1 > max_len) max_len = positions[r] + 1;
     }
     float *h = malloc(sizeof(float) * d), *x = malloc(sizeof(float) * d);
