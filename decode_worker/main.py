@@ -15,7 +15,7 @@ from protos import worker_pb2, worker_pb2_grpc
 from tandem.kv_event_publisher import KVEventPublisher
 from tandem.registry import WorkerCapacity, WorkerInfo, WorkerRole
 from tandem.worker_host import WorkerOptions, host_worker
-from tandem.worker_load import worker_load
+from tandem.worker_load import BusyMeter, worker_load
 
 
 async def run(options: WorkerOptions, stop: asyncio.Event | None = None) -> None:
@@ -43,13 +43,14 @@ async def run(options: WorkerOptions, stop: asyncio.Event | None = None) -> None
             options.worker_id, WorkerRole.DECODE, address, options.model_name, capacity
         )
 
+    busy = BusyMeter()
     try:
         await host_worker(
             options,
             [lambda s: worker_pb2_grpc.add_DecodeWorkerServicer_to_server(service, s)],
             [worker_pb2.DESCRIPTOR.services_by_name["DecodeWorker"].full_name],
             make_info,
-            lambda: worker_load(async_engine.load),
+            lambda: worker_load(async_engine.load, busy),
             stop,
         )
     finally:

@@ -17,7 +17,7 @@ from protos import kv_transfer_pb2, kv_transfer_pb2_grpc, worker_pb2, worker_pb2
 from tandem.kv_event_publisher import KVEventPublisher
 from tandem.registry import WorkerCapacity, WorkerInfo, WorkerRole
 from tandem.worker_host import WorkerOptions, host_worker
-from tandem.worker_load import worker_load
+from tandem.worker_load import BusyMeter, worker_load
 
 
 async def run(options: WorkerOptions, stop: asyncio.Event | None = None) -> None:
@@ -48,6 +48,7 @@ async def run(options: WorkerOptions, stop: asyncio.Event | None = None) -> None
         )
 
     sweeper = asyncio.create_task(service.sweep_expired_leases())
+    busy = BusyMeter()
     try:
         await host_worker(
             options,
@@ -60,7 +61,7 @@ async def run(options: WorkerOptions, stop: asyncio.Event | None = None) -> None
                 kv_transfer_pb2.DESCRIPTOR.services_by_name["KVTransfer"].full_name,
             ],
             make_info,
-            lambda: worker_load(async_engine.load),
+            lambda: worker_load(async_engine.load, busy),
             stop,
         )
     finally:

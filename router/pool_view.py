@@ -52,6 +52,10 @@ class PoolView(Protocol):
         """Mean of the key's first element over the pool (0.0 when empty)."""
         ...
 
+    def mean_busy(self) -> float:
+        """Mean of the workers' reported ``busy_fraction`` (0.0 when empty)."""
+        ...
+
     def idle_at(self, u: float) -> WorkerRecord | None:
         """Of the ``k`` idle workers (key's first element 0) in id order, the one at
         position ``floor(u * k)`` for ``u`` in [0, 1); ``None`` when none is idle."""
@@ -90,6 +94,10 @@ class ListPool:
         keyed = self._keyed_records()
         return sum(k[0] for k, _ in keyed) / len(keyed) if keyed else 0.0
 
+    def mean_busy(self) -> float:
+        records = self._by_id.values()
+        return sum(r.load.busy_fraction for r in records) / len(records) if records else 0.0
+
     def idle_at(self, u: float) -> WorkerRecord | None:
         idle = sorted((r.info.worker_id, r) for k, r in self._keyed_records() if k[0] == 0)
         return idle[int(u * len(idle))][1] if idle else None
@@ -117,6 +125,7 @@ class IndexedPool:
         self._version: dict[str, int] = {}
         self._loads: dict[str, float] = {}
         self._total = 0.0
+        self._busy_total = 0.0
         self._heap: list[tuple[tuple, int, str]] = []
         self._ids: list[str] = []
         self._idle: list[str] = []  # sorted ids of workers whose load is 0
@@ -127,6 +136,8 @@ class IndexedPool:
         if worker_id not in self._records:
             bisect.insort(self._ids, worker_id)
         key = self._key(record)
+        old = self._records.get(worker_id)
+        self._busy_total += record.load.busy_fraction - (old.load.busy_fraction if old else 0.0)
         self._records[worker_id] = record
         version = self._version.get(worker_id, 0) + 1
         self._version[worker_id] = version
@@ -136,8 +147,10 @@ class IndexedPool:
             self._compact()
 
     def remove(self, worker_id: str) -> None:
-        if self._records.pop(worker_id, None) is None:
+        record = self._records.pop(worker_id, None)
+        if record is None:
             return
+        self._busy_total -= record.load.busy_fraction
         self._ids.remove(worker_id)
         self._set_load(worker_id, None)
         self._version[worker_id] = self._version.get(worker_id, 0) + 1  # outdates its entries
@@ -182,6 +195,9 @@ class IndexedPool:
 
     def mean_load(self) -> float:
         return self._total / len(self._records) if self._records else 0.0
+
+    def mean_busy(self) -> float:
+        return max(0.0, self._busy_total) / len(self._records) if self._records else 0.0
 
     def idle_at(self, u: float) -> WorkerRecord | None:
         idle = self._idle

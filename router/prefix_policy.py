@@ -17,7 +17,9 @@ sequence (the batch the request joins).
 * **Load guard.** A worker whose ``load`` exceeds ``imbalance_limit * mean load +
   imbalance_slack`` (mean over the pool) gets no credit for what it holds: for this
   request it is a worker like any other, so a hot prefix cannot pile work onto its
-  holders; it spills to the least loaded worker, which then holds it too.
+  holders; it spills to the least loaded worker, which then holds it too. Optionally
+  (``busy_slack``) the same applies to a worker's reported recent busy share, which
+  sees what momentary queues miss on a lightly loaded pool.
 * **KV room.** A worker without free KV blocks for the request's new blocks is chosen
   only when no worker has room.
 * **Choice.** Temperature 0: the least cost; ties go to more matched blocks, then to
@@ -73,10 +75,17 @@ class PrefixCost:
     imbalance_slack: float = 256.0
     """Guard: load a worker may carry above the limit before the guard applies, so an
     almost idle pool does not scatter prefixes (same unit as ``load``)."""
+    busy_slack: float | None = None
+    """Busy guard (off when ``None``): a worker whose reported ``busy_fraction`` exceeds
+    ``imbalance_limit`` x the pool's mean + this also gets no credit for what it holds.
+    Queues are momentary: on a lightly loaded pool the holders of a hot prefix are idle
+    at almost every decision, yet busy several times as often as the rest; this sees it."""
     temperature: float = 0.0
     softmax_candidates: int = 8
 
     def __post_init__(self) -> None:
+        if self.busy_slack is not None and self.busy_slack < 0:
+            raise ValueError(f"busy_slack must be >= 0, got {self.busy_slack}")
         for name in ("uncached_weight", "prefill_weight", "decode_weight", "imbalance_slack"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
@@ -150,8 +159,12 @@ class PrefixAwarePolicy:
         """The choice with its reasons; ``None`` only for an empty pool. Pure."""
         if not len(pool):
             return None
-        limit = self.cost.imbalance_limit * pool.mean_load() + self.cost.imbalance_slack
-        scorer = _Scorer(self, request.num_prompt_tokens, limit)
+        cost = self.cost
+        limit = cost.imbalance_limit * pool.mean_load() + cost.imbalance_slack
+        busy_limit = math.inf
+        if cost.busy_slack is not None:
+            busy_limit = cost.imbalance_limit * pool.mean_busy() + cost.busy_slack
+        scorer = _Scorer(self, request.num_prompt_tokens, limit, busy_limit)
         matched = request.matched_blocks
         if len(matched) <= DIRECT_HOLDERS:
             self._score_holders_then_least_loaded(scorer, matched, pool)
@@ -228,10 +241,13 @@ class PrefixAwarePolicy:
 class _Scorer:
     """Scores workers for one decision and keeps the results by worker id."""
 
-    def __init__(self, policy: PrefixAwarePolicy, num_prompt_tokens: int, limit: float) -> None:
+    def __init__(
+        self, policy: PrefixAwarePolicy, num_prompt_tokens: int, limit: float, busy_limit: float
+    ) -> None:
         self.policy = policy
         self.num_prompt_tokens = num_prompt_tokens
         self.limit = limit
+        self.busy_limit = busy_limit
         self.scored: dict[str, _Scored] = {}
         self.num_guarded = 0
         self.preferred: str | None = None  # the idle worker the tie-break points at
@@ -243,7 +259,7 @@ class _Scorer:
         cost = self.policy.cost
         key = self.policy.load_key(record)
         load = key[0]
-        if blocks and load > self.limit:
+        if blocks and (load > self.limit or record.load.busy_fraction > self.busy_limit):
             self.num_guarded += 1
             blocks = 0
         block_size = record.info.capacity.block_size

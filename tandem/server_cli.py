@@ -65,6 +65,12 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "applies (default: 256 queued prefill tokens; decode pool: 64)",
     )
     router.add_argument(
+        "--imbalance-busy-slack",
+        type=float,
+        help="prefix_aware: also void affinity for a worker whose recent busy share (from "
+        "its heartbeats) exceeds the limit x the pool mean + this, e.g. 0.02 (default: off)",
+    )
+    router.add_argument(
         "--disaggregation-min-tokens",
         type=int,
         default=32,
@@ -133,6 +139,7 @@ def _prefix_cost(defaults: PrefixCost, args: argparse.Namespace) -> PrefixCost:
         temperature=args.routing_temperature,
         imbalance_limit=args.imbalance_limit,
         imbalance_slack=slack,
+        busy_slack=args.imbalance_busy_slack,
     )
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+import time
 from typing import Protocol
 
 from protos import worker_pb2
@@ -31,12 +33,37 @@ class SpecDecodeStatsLike(Protocol):
     proposer_seconds: float
 
 
-def worker_load(load: EngineLoadLike) -> WorkerLoad:
+BUSY_WINDOW_S = 10.0
+"""Time constant of ``BusyMeter``'s decayed average."""
+
+
+class BusyMeter:
+    """The share of recent time an engine spent stepping, from its cumulative
+    ``busy_seconds``: an exponentially decayed average with time constant ``window_s``."""
+
+    def __init__(self, window_s: float = BUSY_WINDOW_S, clock=time.monotonic) -> None:
+        self.window_s, self._clock = window_s, clock
+        self._at: float | None = None
+        self._busy = 0.0
+        self.fraction = 0.0
+
+    def update(self, busy_seconds: float) -> float:
+        now = self._clock()
+        if self._at is not None and now > self._at:
+            elapsed = now - self._at
+            recent = max(0.0, busy_seconds - self._busy) / elapsed
+            self.fraction += (1 - math.exp(-elapsed / self.window_s)) * (recent - self.fraction)
+        self._at, self._busy = now, busy_seconds
+        return self.fraction
+
+
+def worker_load(load: EngineLoadLike, busy: BusyMeter | None = None) -> WorkerLoad:
     return WorkerLoad(
         free_kv_blocks=load.num_free_blocks,
         num_running_seqs=load.num_running,
         num_waiting_seqs=load.num_waiting + load.num_waiting_for_kv,
         num_queued_prefill_tokens=load.queued_prefill_tokens,
+        busy_fraction=busy.update(load.busy_seconds) if busy is not None else 0.0,
     )
 
 

@@ -199,6 +199,30 @@ def test_decode_prefers_a_holder_but_not_a_crowded_one() -> None:
     assert choose(policy, request(matched={"b": 10}), no_room) == "a"
 
 
+def test_the_busy_guard_sees_a_holder_that_is_idle_now_but_busy_over_time() -> None:
+    """Queues all empty (a lightly loaded pool at the moment of the decision), but the
+    holder has been busy 40% of the time against 10% for the others: with the busy guard
+    on, the prefix spreads to an idle non-holder; off, it stays."""
+
+    def busy(worker_id: str, share: float) -> WorkerRecord:
+        return _record(
+            worker_id, WorkerRole.PREFILL, WorkerLoad(1000, 0, 0, 0, busy_fraction=share)
+        )
+
+    pool = [busy("a", 0.4), busy("b", 0.1), busy("c", 0.1), busy("d", 0.1)]
+    req = request(matched={"a": 90})
+    assert choose(POLICY, req, pool) == "a"
+    guarded = PrefixAwarePolicy(PrefixCost(busy_slack=0.02))
+    assert choose(guarded, req, pool) != "a"
+    decision = guarded.decide(req, ListPool(pool, guarded.load_key))
+    assert decision is not None and decision.num_guarded == 1
+    # Within the limit (1.25 x mean 0.1125 + 0.02 = 0.16): affinity stands.
+    pool[0] = busy("a", 0.15)
+    assert choose(guarded, req, pool) == "a"
+    with pytest.raises(ValueError, match="busy_slack"):
+        PrefixCost(busy_slack=-0.1)
+
+
 def test_empty_pool_gives_none_and_bad_weights_are_refused() -> None:
     assert POLICY.select(request(), []) is None
     with pytest.raises(ValueError, match="imbalance_limit"):
@@ -216,8 +240,10 @@ def test_router_flags_set_both_pools_costs_over_their_role_defaults() -> None:
     assert args.prefill_policy == args.decode_policy == "prefix_aware"
     decode_default = PrefixCost.default_for(WorkerRole.DECODE)
     assert _prefix_cost(decode_default, args) == decode_default
+    assert decode_default.busy_slack is None  # the busy guard is off unless asked for
     flags = ["--routing-temperature", "0.5", "--imbalance-limit", "2", "--imbalance-slack", "9"]
-    args = build_parser().parse_args(base + flags)
+    args = build_parser().parse_args([*base, *flags, "--imbalance-busy-slack", "0.02"])
     cost = _prefix_cost(decode_default, args)
     assert (cost.temperature, cost.imbalance_limit, cost.imbalance_slack) == (0.5, 2.0, 9.0)
+    assert cost.busy_slack == 0.02
     assert cost.decode_weight == decode_default.decode_weight  # the role's own weights stay

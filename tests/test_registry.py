@@ -60,8 +60,32 @@ async def wait_until(condition: Callable[[], bool], timeout_s: float = 5.0) -> f
 
 
 def test_record_round_trips_through_json() -> None:
-    record = WorkerRecord(make_info("w1"), WorkerLoad(100, 2, 3, 456, updated_at=12.5))
+    record = WorkerRecord(
+        make_info("w1"), WorkerLoad(100, 2, 3, 456, updated_at=12.5, busy_fraction=0.25)
+    )
     assert decode_record(encode_record(record), "k") == record
+    # A record from a worker that does not report its busy share reads as 0.
+    doc = json.loads(encode_record(record))
+    del doc["load"]["busy_fraction"]
+    assert decode_record(json.dumps(doc), "k").load.busy_fraction == 0.0
+
+
+def test_busy_meter_tracks_the_recent_share_of_time_spent_stepping() -> None:
+    from tandem.worker_load import BusyMeter
+
+    now = [0.0]
+    meter = BusyMeter(window_s=10.0, clock=lambda: now[0])
+    busy = 0.0
+    assert meter.update(busy) == 0.0
+    for _ in range(100):  # busy 0.3 s of every second for 100 s
+        now[0] += 1.0
+        busy += 0.3
+        share = meter.update(busy)
+    assert abs(share - 0.3) < 1e-3
+    for _ in range(30):  # then idle: it decays with the 10 s time constant
+        now[0] += 1.0
+        share = meter.update(busy)
+    assert 0.01 < share < 0.3 * 0.06
 
 
 @pytest.mark.parametrize(

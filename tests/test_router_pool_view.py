@@ -17,10 +17,10 @@ from router.prefix_policy import PrefixAwarePolicy
 from tandem.registry import WorkerCapacity, WorkerInfo, WorkerLoad, WorkerRecord, WorkerRole
 
 
-def record(i: int, queued: int, running: int = 0) -> WorkerRecord:
+def record(i: int, queued: int, running: int = 0, busy: float = 0.0) -> WorkerRecord:
     capacity = WorkerCapacity(num_kv_blocks=100, block_size=16, max_num_seqs=8)
     info = WorkerInfo(f"w{i:02d}", WorkerRole.PREFILL, f"h:{i}", "m", capacity)
-    return WorkerRecord(info, WorkerLoad(100 - running, running, 0, queued, 0.0))
+    return WorkerRecord(info, WorkerLoad(100 - running, running, 0, queued, 0.0, busy))
 
 
 def test_indexed_pool_answers_like_a_list_pool_through_updates_and_removals() -> None:
@@ -34,11 +34,13 @@ def test_indexed_pool_answers_like_a_list_pool_through_updates_and_removals() ->
             del current[i]
             indexed.remove(f"w{i:02d}")
         else:
-            current[i] = record(i, rng.choice([0, 0, rng.randrange(1, 500)]), rng.randrange(4))
+            queued = rng.choice([0, 0, rng.randrange(1, 500)])
+            current[i] = record(i, queued, rng.randrange(4), rng.choice([0.0, 0.25, 0.5]))
             indexed.update(current[i])
         listed = ListPool(list(current.values()), policy.load_key)
         assert len(indexed) == len(listed)
         assert indexed.mean_load() == listed.mean_load()
+        assert abs(indexed.mean_busy() - listed.mean_busy()) < 1e-9
         assert indexed.cheapest(5) == listed.cheapest(5)
         skip = {f"w{j:02d}" for j in range(0, 30, 3)}
         assert indexed.cheapest(4, skip) == listed.cheapest(4, skip)

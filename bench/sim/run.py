@@ -77,7 +77,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     specs = workload_specs(args.rate, args.duration + args.warmup, args.prefill_workers)
     workloads = args.workloads.split(",")
     routers = args.routers.split(",")
-    cost = PrefixCost(imbalance_limit=args.imbalance_limit, imbalance_slack=args.imbalance_slack)
+    cost = PrefixCost(
+        imbalance_limit=args.imbalance_limit,
+        imbalance_slack=args.imbalance_slack,
+        busy_slack=args.imbalance_busy_slack,
+    )
     cells = [Cell(specs[w], r, fleet, args.calibration, cost) for w in workloads for r in routers]
     meter, started = OtherLoad.start(), time.monotonic()
     with multiprocessing.get_context("spawn").Pool(args.jobs) as pool:
@@ -120,6 +124,7 @@ def _parser() -> argparse.ArgumentParser:
         help="prefill pool's load guard, as the router's flag",
     )
     p.add_argument("--imbalance-slack", type=float, default=defaults.imbalance_slack)
+    p.add_argument("--imbalance-busy-slack", type=float, default=None, help="off by default")
     p.add_argument("--jobs", type=int, default=2, help="simulations at once")
     p.add_argument("--json", type=Path)
     p.add_argument("--wait-quiet", type=float, default=0.0, metavar="S")
@@ -128,11 +133,14 @@ def _parser() -> argparse.ArgumentParser:
 
 def _header(args, fleet: FleetSpec, wall_s: float, other: float | None) -> str:
     load = "unknown" if other is None else f"{other:.2f}"
+    busy = args.imbalance_busy_slack
+    busy_guard = "" if busy is None else f", busy share {args.imbalance_limit:g} x mean + {busy:g}"
     return (
         f"{fleet.num_prefill} prefill + {fleet.num_decode} decode workers, "
         f"{args.rate:g} requests/s, {args.duration:g} s measured after {args.warmup:g} s, "
         f"calibration {args.calibration!r}, event lag {args.event_lag_ms:g} ms, prefill guard "
-        f"{args.imbalance_limit:g} x mean + {args.imbalance_slack:g}; "
+        f"{args.imbalance_limit:g} x mean + {args.imbalance_slack:g}"
+        f"{busy_guard}; "
         f"{wall_s:.0f} s wall, other processes used {load} cores"
     )
 

@@ -29,6 +29,7 @@ from typing import Protocol
 from bench.sim.calibration import Calibration
 from tandem.kv_events import BlocksEvicted, BlocksStored, KVCacheEvent
 from tandem.registry import WorkerCapacity, WorkerInfo, WorkerLoad, WorkerRecord, WorkerRole
+from tandem.worker_load import BusyMeter
 
 
 @dataclass(eq=False)
@@ -150,10 +151,13 @@ class SimPrefillWorker(_Worker):
         self.queued_tokens = 0
         self.busy = False
         self.computed_tokens = 0
+        self.busy_seconds = 0.0  # steps started, counted whole when they start
+        self.meter = BusyMeter(clock=lambda: host.now)
 
     def record(self) -> WorkerRecord:
         capacity = self.info.capacity
-        load = WorkerLoad(capacity.num_kv_blocks, len(self.queue), 0, self.queued_tokens, 0.0)
+        busy = self.meter.update(self.busy_seconds)
+        load = WorkerLoad(capacity.num_kv_blocks, len(self.queue), 0, self.queued_tokens, 0.0, busy)
         return WorkerRecord(self.info, load)
 
     def enqueue(self, job: Job, expected_cached_blocks: int) -> None:
@@ -183,6 +187,7 @@ class SimPrefillWorker(_Worker):
         self.busy = True
         step = self.cal.prefill_step_s + self.cal.prefill_token_s * new
         step += self.cal.prefill_context_token_s * weighted / 1000
+        self.busy_seconds += step
         self.host.after(step, self._step_done, chunks)
 
     def _admit(self, job: Job) -> None:

@@ -67,8 +67,13 @@ class WorkerLoad:
     num_waiting_seqs: int
     num_queued_prefill_tokens: int
     updated_at: float = field(default_factory=time.time)
+    busy_fraction: float = 0.0
+    """Share of recent time the engine spent stepping (decayed average over about 10 s):
+    what a momentary queue does not show, e.g. a worker idle at every report but busy
+    three times as often as the others."""
 
     def __post_init__(self) -> None:
+        _check(self.busy_fraction >= 0, "busy_fraction must be >= 0")
         for name in (
             "free_kv_blocks",
             "num_running_seqs",
@@ -149,6 +154,7 @@ def _load_from_json(load: Mapping[str, object]) -> WorkerLoad:
         num_waiting_seqs=_require(load, "num_waiting_seqs", int),
         num_queued_prefill_tokens=_require(load, "num_queued_prefill_tokens", int),
         updated_at=float(_require(load, "updated_at", (int, float))),
+        busy_fraction=float(load.get("busy_fraction", 0.0)),  # absent from older workers
     )
 
 
