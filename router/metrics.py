@@ -159,13 +159,14 @@ def _index_families(indexer: KVIndexer | None) -> list[str]:
 
 
 def _worker_families(watcher: RegistryWatcher, inflight: InflightLoad) -> list[str]:
-    samples: dict[str, list[Sample]] = {"queued": [], "running": [], "free": []}
+    samples: dict[str, list[Sample]] = {"queued": [], "running": [], "free": [], "busy": []}
     for role in WorkerRole:
         for record in inflight.adjust(list(watcher.workers(role))):
             labels = {"worker": record.info.worker_id, "role": role.value}
             samples["queued"].append(Sample(labels, record.load.num_queued_prefill_tokens))
             samples["running"].append(Sample(labels, record.load.num_running_seqs))
             samples["free"].append(Sample(labels, record.load.free_kv_blocks))
+            samples["busy"].append(Sample(labels, record.load.busy_fraction))
     return [
         format_family(
             "tandem_router_worker_queued_prefill_tokens",
@@ -178,5 +179,11 @@ def _worker_families(watcher: RegistryWatcher, inflight: InflightLoad) -> list[s
         ),
         format_family(
             "tandem_router_worker_free_kv_blocks", "gauge", "free KV blocks", samples["free"]
+        ),
+        format_family(
+            "tandem_router_worker_busy_fraction",
+            "gauge",
+            "share of the last ~10 s the worker's engine spent stepping (heartbeat)",
+            samples["busy"],
         ),
     ]

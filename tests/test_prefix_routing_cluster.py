@@ -200,9 +200,22 @@ def test_two_router_replicas_agree(cluster: LocalCluster, tmp_path: Path) -> Non
         placed, _ = served_by(cluster, replicas[0].address, [*shared, 11, 12])
         _wait_indexed(replicas[1], placed, before[placed] + 5)
         assert served_by(cluster, replicas[1].address, [*shared, 13, 14]) == (placed, 80)
+        # The workers' heartbeats carry their recent busy share, and it shows once they
+        # have worked (what --imbalance-busy-slack guards on).
+        deadline = time.monotonic() + 15
+        while _busy_fraction(replicas[0], "prefill-1") <= 0:
+            assert time.monotonic() < deadline, "prefill-1 never reported being busy"
+            time.sleep(0.2)
     finally:
         for replica in replicas:
             replica.stop()
+
+
+def _busy_fraction(router: RouterProcess, worker: str) -> float:
+    for line in router.metrics().splitlines():
+        if line.startswith("tandem_router_worker_busy_fraction{") and f'"{worker}"' in line:
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
 
 
 def test_a_removed_worker_is_never_chosen_and_its_entries_are_gone(
