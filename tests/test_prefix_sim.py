@@ -12,6 +12,7 @@ from bench.prefix_workloads import Shape, WorkloadSpec, generate
 from bench.sim.calibration import Calibration
 from bench.sim.fleet import FleetSim, FleetSpec, SimResult
 from bench.sim.run import format_table, format_targets
+from router.prefix_policy import PrefixCost
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -84,3 +85,19 @@ def test_the_guard_flags_reach_the_simulated_router() -> None:
         for s in (256.0, 0.0)
     ]
     assert results[1].work_imbalance < results[0].work_imbalance
+
+
+def test_the_busy_guard_spreads_a_hot_prefix_on_a_lightly_loaded_pool() -> None:
+    """Half the traffic on one prefix, a pool mostly idle: the queue guard never fires
+    (some holder is always idle), so the holders do most of the work; guarding on the
+    workers' reported busy share spreads the prefix and evens the work out."""
+    fleet = FleetSpec(num_prefill=12, num_decode=6, prefill_kv_blocks=2048, warmup_s=4.0)
+    workload = WorkloadSpec(Shape.SKEWED, rate=150.0, num_requests=2400, num_prefixes=40)
+    runs = {
+        slack: FleetSim(fleet, CAL, "prefix_aware", prefill_cost=PrefixCost(busy_slack=slack)).run(
+            generate(workload)
+        )
+        for slack in (None, 0.0)
+    }
+    assert runs[0.0].work_imbalance < runs[None].work_imbalance
+    assert runs[0.0].hit_rate > 0.85
