@@ -21,7 +21,9 @@ pytestmark = pytest.mark.skipif(paged_decode_library() is None, reason="no C com
 BLOCK = 16
 
 
-def _runner(model_dir, num_blocks: int = 64) -> ModelRunner:
+def _runner(
+    model_dir, num_blocks: int = 64, linear: LinearBackend = LinearBackend.TORCH
+) -> ModelRunner:
     config = ModelConfig.from_dir(model_dir)
     layout = KVCacheLayout(
         BLOCK, config.num_layers, config.num_kv_heads, config.head_dim, torch.float32
@@ -31,7 +33,7 @@ def _runner(model_dir, num_blocks: int = 64) -> ModelRunner:
         config,
         layout,
         AttentionBackendKind.TORCH,
-        LinearBackend.TORCH,
+        linear,
         torch.device("cpu"),
         {1},
         0,
@@ -84,20 +86,7 @@ def test_native_forward_matches_torch(make_checkpoint, arch: str, kwargs: dict) 
 def test_native_decoder_declines_what_it_cannot_run(make_checkpoint) -> None:
     model_dir = make_checkpoint("llama")
     assert NativeDecoder.supports(_runner(model_dir).model)
-    config = ModelConfig.from_dir(model_dir)
-    layout = KVCacheLayout(
-        BLOCK, config.num_layers, config.num_kv_heads, config.head_dim, torch.float32
-    )
-    packed = ModelRunner(
-        str(model_dir),
-        config,
-        layout,
-        AttentionBackendKind.TORCH,
-        LinearBackend.ONEDNN,
-        torch.device("cpu"),
-        {1},
-        0,
-    )
+    packed = _runner(model_dir, linear=LinearBackend.ONEDNN)
     assert not NativeDecoder.supports(packed.model)  # the weights now live in oneDNN's layout
     assert not NativeDecoder.supports(_runner(model_dir).model.to(torch.bfloat16))
 
