@@ -29,8 +29,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import resource
 import statistics
 import sys
 import time
@@ -42,6 +40,7 @@ if __package__ in (None, ""):
 
 import torch
 
+from bench.machine_load import OtherLoad
 from engine import LLM, SamplingParams
 from engine.spec_decode.speculator import SpecDecodeStats
 
@@ -93,13 +92,13 @@ def measure(case: Case, repeats: int) -> dict[str, tuple[Run, list[list[int]]]]:
         engines[label] = (llm, llm.engine.num_steps, replace(spec.stats) if spec else None)
     passes: dict[str, list[float]] = {label: [] for label in engines}
     outputs: dict[str, list[list[int]]] = {}
-    meter = _Meter()
+    meter = OtherLoad.start()
     for _ in range(repeats):
         for label, (llm, _, _) in engines.items():
             start = time.perf_counter()
             outputs[label] = [llm.generate([p], greedy)[0].token_ids for p in case.prompts]
             passes[label].append(time.perf_counter() - start)
-    other_load = meter.other_load()
+    other_load = meter.cores()
     runs = {}
     for label, (llm, steps_before, before) in engines.items():
         tokens = sum(len(o) for o in outputs[label])
@@ -127,33 +126,6 @@ def _delta(after: SpecDecodeStats, before: SpecDecodeStats) -> SpecDecodeStats:
     return SpecDecodeStats(
         **{f.name: getattr(after, f.name) - getattr(before, f.name) for f in fields(after)}
     )
-
-
-class _Meter:
-    """Cores used by other processes meanwhile (this process's CPU time excluded)."""
-
-    def __init__(self) -> None:
-        self.wall, self.busy, self.ours = time.monotonic(), _busy(), _own_cpu()
-
-    def other_load(self) -> float | None:
-        busy = _busy()
-        if busy is None or self.busy is None:
-            return None
-        mine = _own_cpu() - self.ours
-        return max(0.0, (busy - self.busy - mine) / (time.monotonic() - self.wall))
-
-
-def _busy() -> float | None:
-    try:
-        ticks = [int(t) for t in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:9]]
-    except OSError:
-        return None
-    return (sum(ticks) - ticks[3] - ticks[4]) / os.sysconf("SC_CLK_TCK")
-
-
-def _own_cpu() -> float:
-    usage = resource.getrusage(resource.RUSAGE_SELF)
-    return usage.ru_utime + usage.ru_stime
 
 
 def build_cases(names: list[str], quick: bool) -> list[Case]:
