@@ -71,6 +71,7 @@ class ListPool:
         self._ids = sorted(self._by_id)
         self._key = key
         self._keyed: list[tuple[tuple, WorkerRecord]] | None = None
+        self._idle: list[WorkerRecord] | None = None
 
     def __len__(self) -> int:
         return len(self._by_id)
@@ -99,8 +100,10 @@ class ListPool:
         return sum(r.load.busy_fraction for r in records) / len(records) if records else 0.0
 
     def idle_at(self, u: float) -> WorkerRecord | None:
-        idle = sorted((r.info.worker_id, r) for k, r in self._keyed_records() if k[0] == 0)
-        return idle[int(u * len(idle))][1] if idle else None
+        if self._idle is None:
+            idle = sorted((r.info.worker_id, r) for k, r in self._keyed_records() if k[0] == 0)
+            self._idle = [r for _, r in idle]
+        return self._idle[int(u * len(self._idle))] if self._idle else None
 
     def _keyed_records(self) -> list[tuple[tuple, WorkerRecord]]:
         if self._keyed is None:

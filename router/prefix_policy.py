@@ -17,17 +17,29 @@ sequence (the batch the request joins).
 * **Load guard.** A worker whose ``load`` exceeds ``imbalance_limit * mean load +
   imbalance_slack`` (mean over the pool) gets no credit for what it holds: for this
   request it is a worker like any other, so a hot prefix cannot pile work onto its
-  holders; it spills to the least loaded worker, which then holds it too. Optionally
-  (``busy_slack``) the same applies to a worker's reported recent busy share, which
-  sees what momentary queues miss on a lightly loaded pool.
+  holders; it spills to the least loaded worker, which then holds it too.
+* **Busy guard** (``busy_slack``; off by default, see below). The same applies
+  to a worker's reported recent busy share, which sees what momentary queues miss on a
+  lightly loaded pool: the holders of a hot prefix idle at every decision yet busy
+  several times as often as the rest. It applies only to a prefix that at least
+  ``busy_min_holders`` workers of the pool hold: one already spread for load is hot,
+  while one held by a single worker (a chat conversation, a rare system prompt) would
+  only be recomputed elsewhere, paying a full miss and a second copy for nothing
+  lasting. A hot prefix first spreads through the queue guard (its one holder's queue
+  grows), so a single holder is never a pile-up the queue guard does not see. Off by
+  default because on a busy pool it feeds on itself: each spill is a miss costing
+  several hits' work, which makes the pool busier and the next spill likelier (in the
+  simulator, 8 workers 75% busy went from 94% hits and 5 ms TTFT p50 to 86% and 630 ms).
 * **KV room.** A worker without free KV blocks for the request's new blocks is chosen
   only when no worker has room.
 * **Choice.** Temperature 0: the least cost; ties go to more matched blocks, then to
-  less load; what is still tied is drawn uniformly with a number taken from the
-  request id — first an idle worker drawn among *all* idle ones, if it is among the
-  tied, else one of the tied. So equal work spreads evenly (a big fleet is mostly
-  idle workers tied at zero load) instead of piling onto the smallest worker id, and
-  every replica draws the same.
+  less load; what is still tied goes to an idle worker: ``idle_choices`` are drawn from
+  *all* idle ones with numbers taken from the request id, and the least busy lately
+  (reported ``busy_fraction``) of those among the tied wins; if none is tied, one of
+  the tied is drawn the same way. So equal work spreads evenly (a big fleet is mostly
+  idle workers tied at zero load) instead of piling onto the smallest worker id, leans
+  to the workers that did less lately (the power of two choices), and every replica
+  chooses the same.
   Temperature ``T > 0``: a draw among the ``softmax_candidates`` cheapest with
   probability proportional to ``exp(-(cost - min cost) / (T * w_uncached * P))``. The
   uniform number comes from BLAKE2b of the request id, so every router replica draws
@@ -75,11 +87,18 @@ class PrefixCost:
     imbalance_slack: float = 256.0
     """Guard: load a worker may carry above the limit before the guard applies, so an
     almost idle pool does not scatter prefixes (same unit as ``load``)."""
+    busy_limit: float = 1.1
+    """Busy guard: the multiple of the pool's mean busy share above which (plus the
+    slack) a holder of a prefix several workers hold gets no credit for it."""
     busy_slack: float | None = None
-    """Busy guard (off when ``None``): a worker whose reported ``busy_fraction`` exceeds
-    ``imbalance_limit`` x the pool's mean + this also gets no credit for what it holds.
-    Queues are momentary: on a lightly loaded pool the holders of a hot prefix are idle
-    at almost every decision, yet busy several times as often as the rest; this sees it."""
+    """Busy guard (off when ``None``, the default): a worker whose reported
+    ``busy_fraction`` exceeds ``busy_limit`` x the pool's mean + this also gets no
+    credit for what it holds, for prefixes at least ``busy_min_holders`` of the pool's
+    workers hold."""
+    busy_min_holders: int = 2
+    """The busy guard applies to prefixes at least this many workers of the pool hold."""
+    idle_choices: int = 2
+    """Idle workers drawn per decision for the tie-break (the least busy is preferred)."""
     temperature: float = 0.0
     softmax_candidates: int = 8
 
@@ -89,10 +108,15 @@ class PrefixCost:
         for name in ("uncached_weight", "prefill_weight", "decode_weight", "imbalance_slack"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
-        if self.imbalance_limit < 1:
-            raise ValueError(f"imbalance_limit must be >= 1, got {self.imbalance_limit}")
+        for name in ("imbalance_limit", "busy_limit"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.temperature < 0:
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if self.idle_choices < 1:
+            raise ValueError(f"idle_choices must be >= 1, got {self.idle_choices}")
+        if self.busy_min_holders < 1:
+            raise ValueError(f"busy_min_holders must be >= 1, got {self.busy_min_holders}")
         if self.softmax_candidates < 1:
             raise ValueError(f"softmax_candidates must be >= 1, got {self.softmax_candidates}")
 
@@ -163,7 +187,7 @@ class PrefixAwarePolicy:
         limit = cost.imbalance_limit * pool.mean_load() + cost.imbalance_slack
         busy_limit = math.inf
         if cost.busy_slack is not None:
-            busy_limit = cost.imbalance_limit * pool.mean_busy() + cost.busy_slack
+            busy_limit = cost.busy_limit * pool.mean_busy() + cost.busy_slack
         scorer = _Scorer(self, request.num_prompt_tokens, limit, busy_limit)
         matched = request.matched_blocks
         if len(matched) <= DIRECT_HOLDERS:
@@ -171,10 +195,13 @@ class PrefixAwarePolicy:
         else:
             u = unit_draw(request.request_id, b"tandem-sample")
             self._score_a_sample_of_holders(scorer, matched, pool, u)
-        idle = pool.idle_at(unit_draw(request.request_id, b"tandem-idle"))
-        if idle is not None:
+        u = unit_draw(request.request_id, b"tandem-idle")
+        for i in range(cost.idle_choices):
+            idle = pool.idle_at((u + i / cost.idle_choices) % 1.0)
+            if idle is None:
+                break
             scorer.add(idle, matched.get(idle.info.worker_id, 0))
-            scorer.preferred = idle.info.worker_id
+            scorer.idle_drawn.append(idle.info.worker_id)
         best = self._pick(request.request_id, request.num_prompt_tokens, scorer)
         return PrefixDecision(best.record, best.blocks, best.cost, scorer.num_guarded)
 
@@ -183,10 +210,12 @@ class PrefixAwarePolicy:
     def _score_holders_then_least_loaded(
         self, scorer: _Scorer, matched: Mapping[str, int], pool: PoolView
     ) -> None:
-        for worker_id, blocks in matched.items():
-            record = pool.get(worker_id)
-            if record is not None:
-                scorer.add(record, blocks)
+        holders = [(pool.get(worker_id), blocks) for worker_id, blocks in matched.items()]
+        holders = [(record, blocks) for record, blocks in holders if record is not None]
+        if len(holders) < self.cost.busy_min_holders:
+            scorer.busy_limit = math.inf
+        for record, blocks in holders:
+            scorer.add(record, blocks)
         wanted = 1 if self.cost.temperature == 0 else self.cost.softmax_candidates
         for record in pool.cheapest(wanted + _ROOM_SPARE, skip=scorer.scored):
             scorer.add(record, 0)
@@ -197,11 +226,17 @@ class PrefixAwarePolicy:
         """Many holders (a hot prefix on a big fleet): score ``HOLDER_SAMPLE`` of them,
         deepest matches first, evenly spaced from an offset drawn from the request id,
         plus the least loaded workers. The least loaded of a random sample is close to
-        the least loaded of all (the power of d choices), at a bounded cost."""
-        for worker_id, blocks in _sample(matched, HOLDER_SAMPLE, u):
-            record = pool.get(worker_id)
-            if record is not None:
-                scorer.add(record, blocks)
+        the least loaded of all (the power of d choices), at a bounded cost. The busy
+        guard's holder count is the sample's."""
+        sample = [
+            (pool.get(worker_id), blocks)
+            for worker_id, blocks in _sample(matched, HOLDER_SAMPLE, u)
+        ]
+        holders = [(record, blocks) for record, blocks in sample if record is not None]
+        if len(holders) < self.cost.busy_min_holders:
+            scorer.busy_limit = math.inf
+        for record, blocks in holders:
+            scorer.add(record, blocks)
         wanted = 1 if self.cost.temperature == 0 else self.cost.softmax_candidates
         for record in pool.cheapest(wanted + _ROOM_SPARE):
             scorer.add(record, matched.get(record.info.worker_id, 0))
@@ -213,7 +248,7 @@ class PrefixAwarePolicy:
         fitting = [s for s in scored.values() if s.room] or list(scored.values())
         ranked = sorted(fitting, key=_rank)
         if self.cost.temperature == 0 or len(ranked) == 1:
-            return self._break_tie(request_id, ranked, scorer.preferred)
+            return self._break_tie(request_id, ranked, scorer.idle_drawn)
         ranked = ranked[: self.cost.softmax_candidates]
         scale = self.cost.temperature * max(1.0, self.cost.uncached_weight * num_prompt_tokens)
         weights = [math.exp(-(s.cost - ranked[0].cost) / scale) for s in ranked]
@@ -225,16 +260,20 @@ class PrefixAwarePolicy:
         return ranked[-1]
 
     @staticmethod
-    def _break_tie(request_id: str, ranked: list[_Scored], preferred: str | None) -> _Scored:
-        """Among the candidates tied with the best on (cost, matched, load): the idle
-        worker drawn for this request if it is one of them, else one drawn uniformly."""
+    def _break_tie(request_id: str, ranked: list[_Scored], drawn: list[str]) -> _Scored:
+        """Among the candidates tied with the best on (cost, matched, load): of the idle
+        workers drawn for this request that are tied, the least busy lately; else one
+        of the tied drawn by the request id. Not the least busy of *all* tied: busy
+        shares are a heartbeat (a second) stale, and every tie going to the single least
+        busy worker would flood it until its next report."""
         best = ranked[0]
         tied = [s for s in ranked if _tie(s) == _tie(best)]
         if len(tied) == 1:
             return best
-        for s in tied:
-            if s.record.info.worker_id == preferred:
-                return s
+        by_id = {s.record.info.worker_id: s for s in tied}
+        idle = [by_id[w] for w in drawn if w in by_id]
+        if idle:
+            return min(idle, key=lambda s: s.record.load.busy_fraction)
         return tied[int(unit_draw(request_id, b"tandem-tie") * len(tied))]
 
 
@@ -250,7 +289,7 @@ class _Scorer:
         self.busy_limit = busy_limit
         self.scored: dict[str, _Scored] = {}
         self.num_guarded = 0
-        self.preferred: str | None = None  # the idle worker the tie-break points at
+        self.idle_drawn: list[str] = []  # idle workers drawn for the tie-break
 
     def add(self, record: WorkerRecord, blocks: int) -> None:
         worker_id = record.info.worker_id

@@ -65,10 +65,18 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "applies (default: 256 queued prefill tokens; decode pool: 64)",
     )
     router.add_argument(
-        "--imbalance-busy-slack",
+        "--imbalance-busy-limit",
         type=float,
+        help="prefix_aware: the busy guard's multiple of the pool's mean busy share "
+        "(default: the prefill pool's, see the README)",
+    )
+    router.add_argument(
+        "--imbalance-busy-slack",
+        type=float_or_off,
         help="prefix_aware: also void affinity for a worker whose recent busy share (from "
-        "its heartbeats) exceeds the limit x the pool mean + this, e.g. 0.02 (default: off)",
+        "its heartbeats) exceeds the busy limit x the pool mean + this, for prefixes at least "
+        "two workers hold; 'off' turns it off (default: 0 for the prefill pool, off for "
+        "the decode pool)",
     )
     router.add_argument(
         "--disaggregation-min-tokens",
@@ -131,15 +139,29 @@ def _check_redis(args: argparse.Namespace) -> None:
         )
 
 
+def float_or_off(text: str) -> float | str:
+    """A number, or the word 'off' (a flag that turns a guard off)."""
+    if text == "off":
+        return text
+    try:
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number or 'off', got {text!r}") from None
+
+
 def _prefix_cost(defaults: PrefixCost, args: argparse.Namespace) -> PrefixCost:
     """A pool's prefix-aware cost: its role's defaults with the flags given applied."""
     slack = defaults.imbalance_slack if args.imbalance_slack is None else args.imbalance_slack
+    busy = args.imbalance_busy_slack
+    busy = defaults.busy_slack if busy is None else None if busy == "off" else busy
+    busy_limit = args.imbalance_busy_limit
     return dataclasses.replace(
         defaults,
+        busy_limit=defaults.busy_limit if busy_limit is None else busy_limit,
         temperature=args.routing_temperature,
         imbalance_limit=args.imbalance_limit,
         imbalance_slack=slack,
-        busy_slack=args.imbalance_busy_slack,
+        busy_slack=busy,
     )
 
 

@@ -137,6 +137,35 @@ def test_ties_between_idle_workers_spread_evenly_and_replicas_agree() -> None:
     assert picks == [choose(replica, request(rid=f"r{i}"), workers) for i in range(400)]
 
 
+def test_a_miss_leans_to_the_less_busy_of_two_idle_workers() -> None:
+    """All idle, all missing the prompt: each decision draws two of the tied workers by
+    its request id and takes the one less busy lately, so over many misses the chosen
+    workers' mean busy share is well below the pool's, yet the misses still spread over
+    many workers (no flood onto the single least busy). The same on every replica and in
+    any list order."""
+
+    def idle(worker_id: str, share: float) -> WorkerRecord:
+        return _record(
+            worker_id, WorkerRole.PREFILL, WorkerLoad(1000, 0, 0, 0, busy_fraction=share)
+        )
+
+    draw = random.Random(0)
+    workers = [idle(f"w{i}", round(draw.uniform(0.0, 0.4), 3)) for i in range(16)]
+    by_id = {w.info.worker_id: w.load.busy_fraction for w in workers}
+    rids = [f"m{i}" for i in range(400)]
+    picks = [choose(POLICY, request(rid=rid), workers) for rid in rids]
+    assert picks == [choose(POLICY, request(rid=rid), workers[::-1]) for rid in rids]
+    replica = PrefixAwarePolicy()
+    assert picks == [choose(replica, request(rid=rid), workers) for rid in rids]
+    pool_mean = sum(by_id.values()) / len(by_id)
+    assert sum(by_id[p] for p in picks) / len(picks) < pool_mean - 0.04
+    assert len(set(picks)) >= 8
+    with pytest.raises(ValueError, match="busy_limit"):
+        PrefixCost(busy_limit=0.9)
+    with pytest.raises(ValueError, match="idle_choices"):
+        PrefixCost(idle_choices=0)
+
+
 def test_ties_between_idle_holders_spread_evenly() -> None:
     holders = {f"w{i}": 90 for i in range(6)}
     workers = [prefill(f"w{i}") for i in range(8)]
@@ -201,26 +230,51 @@ def test_decode_prefers_a_holder_but_not_a_crowded_one() -> None:
 
 def test_the_busy_guard_sees_a_holder_that_is_idle_now_but_busy_over_time() -> None:
     """Queues all empty (a lightly loaded pool at the moment of the decision), but the
-    holder has been busy 40% of the time against 10% for the others: with the busy guard
-    on, the prefix spreads to an idle non-holder; off, it stays."""
+    holders have been busy 40% of the time against 10% for the others: with the busy
+    guard on, the prefix spreads to an idle non-holder; off, it stays."""
 
     def busy(worker_id: str, share: float) -> WorkerRecord:
         return _record(
             worker_id, WorkerRole.PREFILL, WorkerLoad(1000, 0, 0, 0, busy_fraction=share)
         )
 
-    pool = [busy("a", 0.4), busy("b", 0.1), busy("c", 0.1), busy("d", 0.1)]
-    req = request(matched={"a": 90})
-    assert choose(POLICY, req, pool) == "a"
+    pool = [busy("a", 0.4), busy("b", 0.4), busy("c", 0.1), busy("d", 0.1)]
+    req = request(matched={"a": 90, "b": 90})
+    unguarded = PrefixAwarePolicy(PrefixCost(busy_slack=None))
+    assert choose(unguarded, req, pool) in ("a", "b")
     guarded = PrefixAwarePolicy(PrefixCost(busy_slack=0.02))
-    assert choose(guarded, req, pool) != "a"
+    assert choose(guarded, req, pool) in ("c", "d")
     decision = guarded.decide(req, ListPool(pool, guarded.load_key))
-    assert decision is not None and decision.num_guarded == 1
-    # Within the limit (1.25 x mean 0.1125 + 0.02 = 0.16): affinity stands.
-    pool[0] = busy("a", 0.15)
-    assert choose(guarded, req, pool) == "a"
+    assert decision is not None and decision.num_guarded == 2
+    # One holder within the limit (1.1 x mean 0.1875 + 0.02 = 0.226): it keeps the hit.
+    pool[1] = busy("b", 0.2)
+    assert choose(guarded, req, pool) == "b"
+    # Off unless asked for, in both pools.
+    assert PrefixCost.default_for(WorkerRole.PREFILL).busy_slack is None
     with pytest.raises(ValueError, match="busy_slack"):
         PrefixCost(busy_slack=-0.1)
+    with pytest.raises(ValueError, match="busy_min_holders"):
+        PrefixCost(busy_min_holders=0)
+
+
+def test_the_busy_guard_leaves_a_prefix_only_one_worker_holds() -> None:
+    """A prefix held by one worker of the pool (a chat conversation) stays there however
+    busy its holder has been: moving it would recompute it and keep a second copy. Held
+    by two (once spread for load), the busier holder loses its credit. Holders in the
+    other pool do not count."""
+
+    def busy(worker_id: str, share: float, role: WorkerRole = WorkerRole.PREFILL):
+        return _record(worker_id, role, WorkerLoad(1000, 0, 0, 0, busy_fraction=share))
+
+    pool = [busy("a", 0.4), busy("b", 0.1), busy("c", 0.1)]
+    guarded = PrefixAwarePolicy(PrefixCost(busy_slack=0.0))
+    # "dec" holds it too but is not in this pool.
+    assert choose(guarded, request(matched={"a": 90, "dec": 90}), pool) == "a"
+    assert choose(guarded, request(matched={"a": 90, "b": 90}), pool) == "b"
+    # With the minimum at 3, two holders are not enough: both keep their credit and the
+    # cheaper tie-break (the deeper match) wins.
+    strict = PrefixAwarePolicy(PrefixCost(busy_slack=0.0, busy_min_holders=3))
+    assert choose(strict, request(matched={"a": 90, "b": 80}), pool) == "a"
 
 
 def test_empty_pool_gives_none_and_bad_weights_are_refused() -> None:
@@ -240,10 +294,21 @@ def test_router_flags_set_both_pools_costs_over_their_role_defaults() -> None:
     assert args.prefill_policy == args.decode_policy == "prefix_aware"
     decode_default = PrefixCost.default_for(WorkerRole.DECODE)
     assert _prefix_cost(decode_default, args) == decode_default
-    assert decode_default.busy_slack is None  # the busy guard is off unless asked for
+    assert decode_default.busy_slack is None  # the decode pool's busy guard is off
     flags = ["--routing-temperature", "0.5", "--imbalance-limit", "2", "--imbalance-slack", "9"]
     args = build_parser().parse_args([*base, *flags, "--imbalance-busy-slack", "0.02"])
     cost = _prefix_cost(decode_default, args)
     assert (cost.temperature, cost.imbalance_limit, cost.imbalance_slack) == (0.5, 2.0, 9.0)
     assert cost.busy_slack == 0.02
+    prefill_default = PrefixCost.default_for(WorkerRole.PREFILL)
+    args = build_parser().parse_args(base)
+    assert _prefix_cost(prefill_default, args).busy_slack is None
+    args = build_parser().parse_args([*base, "--imbalance-busy-limit", "1.5"])
+    assert _prefix_cost(prefill_default, args).busy_limit == 1.5
+    args = build_parser().parse_args(
+        [*base, "--imbalance-busy-slack", "0", "--imbalance-busy-slack", "off"]
+    )
+    assert _prefix_cost(prefill_default, args).busy_slack is None
+    with pytest.raises(SystemExit):
+        build_parser().parse_args([*base, "--imbalance-busy-slack", "sometimes"])
     assert cost.decode_weight == decode_default.decode_weight  # the role's own weights stay

@@ -3,17 +3,18 @@
     python bench/sim/calibrate.py --size tiny [--threads 1] [--out bench/sim/calibration_tiny.json]
 
 Runs ``LLMEngine`` in this process on a random ``tandem make-model`` checkpoint (made
-in a temporary directory) and times single engine steps: prefill steps of 32-1,024 new
+in a temporary directory) and times single engine steps: prefill steps of 1-1,000 new
 tokens after 0 or 1,024 cached ones, and decode steps of 1-64 sequences at contexts of
-128 and 1,024 tokens (median of repeats). A least-squares fit gives the coefficients of
-``bench.sim.calibration.Calibration``. The KV pull cost is not measured here: it uses
-``bench/kvtransfer.py``'s figures in the README (about 1 GB/s for pulls of a few MiB,
-plus a 1.5 ms call).
+128 and 1,024 tokens (median of repeats). A non-negative least-squares fit gives the
+coefficients of ``bench.sim.calibration.Calibration``. The KV pull cost is not measured
+here: it uses ``bench/kvtransfer.py``'s figures in the README (about 1 GB/s for pulls of
+a few MiB, plus a 1.5 ms call).
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import statistics
 import sys
 import tempfile
@@ -79,13 +80,14 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _fit_prefill(engine) -> tuple[float, float, float]:
-    """Rows (1, new, new * context / 1000) -> step seconds."""
+    """Rows (1, new, new * attended / 1000) -> step seconds, where a new token attends
+    to the cached context and, on average, half of the chunk (causal)."""
     from tandem.sampling_params import SamplingParams
 
     rng = np.random.default_rng(0)
     rows, times = [], []
     for context in (0, 1024):
-        for new in (32, 128, 256, 512, 1000):
+        for new in (1, 8, 32, 128, 256, 512, 1000):
             samples = []
             for _ in range(REPEATS):
                 prefix = rng.integers(10, 4000, context).tolist()
@@ -97,17 +99,10 @@ def _fit_prefill(engine) -> tuple[float, float, float]:
                 engine.step()
                 samples.append(time.perf_counter() - start)
                 _drain(engine)
-            rows.append((1.0, new, new * context / 1000))
+            rows.append((1.0, new, new * Calibration.attended(new, context) / 1000))
             times.append(statistics.median(samples))
             print(f"prefill new={new:5d} context={context:5d}: {times[-1] * 1e3:7.2f} ms")
-    # Two stages, so the attention term cannot swallow the per-step cost: (step, token)
-    # from the rows without context, then the context term from what they leave over.
-    fresh = [i for i, row in enumerate(rows) if row[2] == 0]
-    step, token = _least_squares([rows[i][:2] for i in fresh], [times[i] for i in fresh])
-    rest = [i for i in range(len(rows)) if rows[i][2] > 0]
-    left = [times[i] - step - token * rows[i][1] for i in rest]
-    (context,) = _least_squares([(rows[i][2],) for i in rest], left)
-    return step, token, context
+    return nonnegative_least_squares(rows, times)
 
 
 def _fit_decode(engine) -> tuple[float, float, float]:
@@ -132,12 +127,25 @@ def _fit_decode(engine) -> tuple[float, float, float]:
             rows.append((1.0, batch, batch * (context + 5)))
             times.append(statistics.median(samples))
             print(f"decode batch={batch:3d} context={context:5d}: {times[-1] * 1e3:7.2f} ms")
-    return _least_squares(rows, times)
+    return nonnegative_least_squares(rows, times)
 
 
-def _least_squares(rows, times) -> tuple[float, ...]:
-    coef, *_ = np.linalg.lstsq(np.array(rows, dtype=float), np.array(times), rcond=None)
-    return tuple(max(0.0, float(c)) for c in coef)
+def nonnegative_least_squares(rows, times) -> tuple[float, ...]:
+    """The least-squares coefficients under the constraint that none is negative (a
+    step cannot cost less than nothing): exact, by trying every subset of the columns
+    (there are three) and keeping the best fit whose coefficients are all >= 0."""
+    a, b = np.array(rows, dtype=float), np.array(times, dtype=float)
+    best, best_residual = np.zeros(a.shape[1]), float(np.sum(b**2))
+    for size in range(1, a.shape[1] + 1):
+        for columns in itertools.combinations(range(a.shape[1]), size):
+            coef, *_ = np.linalg.lstsq(a[:, columns], b, rcond=None)
+            if (coef < 0).any():
+                continue
+            residual = float(np.sum((a[:, columns] @ coef - b) ** 2))
+            if residual < best_residual:
+                best, best_residual = np.zeros(a.shape[1]), residual
+                best[list(columns)] = coef
+    return tuple(float(c) for c in best)
 
 
 def _running(engine):

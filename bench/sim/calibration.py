@@ -4,7 +4,8 @@ Measured by ``bench/sim/calibrate.py`` on this machine and stored as JSON next t
 file (``calibration_<size>.json``). All times in seconds:
 
     prefill step  = prefill_step_s + prefill_token_s * new tokens
-                    + prefill_context_token_s * new tokens * context tokens / 1000
+                    + prefill_context_token_s * new tokens * attended / 1000
+    attended      = context tokens + new tokens / 2   (a new token's mean causal span)
     decode step   = decode_step_s + decode_seq_s * sequences + decode_kv_token_s * KV tokens
     KV pull       = pull_call_s + pull_byte_s * bytes   (per request, prefill -> decode)
 
@@ -36,11 +37,20 @@ class Calibration:
     pull_byte_s: float
     max_num_batched_tokens: int
 
+    @staticmethod
+    def attended(new_tokens: int, context_tokens: int) -> float:
+        """Keys a new token attends to, on average: the cached context and half the
+        chunk it arrives in."""
+        return context_tokens + new_tokens / 2
+
     def prefill_time(self, new_tokens: int, context_tokens: int) -> float:
         return (
             self.prefill_step_s
             + self.prefill_token_s * new_tokens
-            + self.prefill_context_token_s * new_tokens * context_tokens / 1000
+            + self.prefill_context_token_s
+            * new_tokens
+            * self.attended(new_tokens, context_tokens)
+            / 1000
         )
 
     def decode_time(self, num_seqs: int, kv_tokens: int) -> float:

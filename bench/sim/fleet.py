@@ -58,6 +58,10 @@ class FleetSpec:
     """Worker step end -> router index: publish, XADD, XREAD (measured: a few ms)."""
     warmup_s: float = 10.0
     """Requests arriving earlier warm the caches and are left out of the figures."""
+    heartbeat_s: float = 1.0
+    """Prefill workers report their busy share this often (staggered), as real ones
+    do with their registry heartbeat; queued work the router sees at once (its own
+    in-flight accounting)."""
 
 
 @dataclass
@@ -79,6 +83,8 @@ class SimResult:
     wall_s: float
     events: int
     index_entries: int = 0
+    peak_memory_gb: float = 0.0
+    """The process's peak resident memory, when the caller measures it."""
 
     @property
     def hit_rate(self) -> float:
@@ -143,6 +149,9 @@ class FleetSim:
         self._pulled_at_warmup = 0
         for worker in (*self.prefill_workers, *self.decode_workers):
             self._join(worker)
+        self._arriving = True
+        for i, worker in enumerate(self.prefill_workers):
+            self.after(fleet.heartbeat_s * (i + 1) / fleet.num_prefill, self._heartbeat, worker)
 
     # --- the clock (Host) --------------------------------------------------------------
 
@@ -174,6 +183,14 @@ class FleetSim:
         if item is not None:
             rid, plan = item
             self.after(plan.at - self.now, self._arrive, rid, plan, arrivals)
+        else:
+            self._arriving = False  # heartbeats stop, so the run ends once work drains
+
+    def _heartbeat(self, worker: SimPrefillWorker) -> None:
+        worker.heartbeat()
+        self.load_changed(worker)
+        if self._arriving:
+            self.after(self.fleet.heartbeat_s, self._heartbeat, worker)
 
     def _arrive(self, rid: int, plan: PromptPlan, arrivals) -> None:
         self._next_arrival(arrivals)

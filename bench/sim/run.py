@@ -19,6 +19,7 @@ import dataclasses
 import json
 import math
 import multiprocessing
+import resource
 import sys
 import time
 from collections.abc import Sequence
@@ -33,6 +34,7 @@ from bench.sim.calibration import Calibration
 from bench.sim.fleet import ROUTERS, FleetSim, FleetSpec, SimResult
 from router.prefix_policy import PrefixCost
 from tandem.registry import WorkerRole
+from tandem.server_cli import float_or_off
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,7 +63,9 @@ def run_cell(cell: Cell) -> SimResult:
     sim = FleetSim(
         cell.fleet, Calibration.named(cell.calibration), cell.router, prefill_cost=cell.prefill_cost
     )
-    return sim.run(generate(cell.workload))
+    result = sim.run(generate(cell.workload))
+    result.peak_memory_gb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+    return result
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -80,11 +84,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     cost = PrefixCost(
         imbalance_limit=args.imbalance_limit,
         imbalance_slack=args.imbalance_slack,
-        busy_slack=args.imbalance_busy_slack,
+        busy_slack=None if args.imbalance_busy_slack == "off" else args.imbalance_busy_slack,
+        busy_min_holders=args.busy_min_holders,
+        busy_limit=args.imbalance_busy_limit,
+        idle_choices=args.idle_choices,
     )
     cells = [Cell(specs[w], r, fleet, args.calibration, cost) for w in workloads for r in routers]
     meter, started = OtherLoad.start(), time.monotonic()
-    with multiprocessing.get_context("spawn").Pool(args.jobs) as pool:
+    # A fresh process per cell, so each cell's peak memory is its own.
+    with multiprocessing.get_context("spawn").Pool(args.jobs, maxtasksperchild=1) as pool:
         results = pool.map(run_cell, cells, chunksize=1)
     other = meter.cores()
     by_cell = {(c.workload.shape.value, c.router): r for c, r in zip(cells, results, strict=True)}
@@ -124,7 +132,15 @@ def _parser() -> argparse.ArgumentParser:
         help="prefill pool's load guard, as the router's flag",
     )
     p.add_argument("--imbalance-slack", type=float, default=defaults.imbalance_slack)
-    p.add_argument("--imbalance-busy-slack", type=float, default=None, help="off by default")
+    p.add_argument(
+        "--imbalance-busy-slack",
+        type=float_or_off,
+        default=defaults.busy_slack,
+        help="prefill pool's busy guard, as the router's flag ('off' turns it off)",
+    )
+    p.add_argument("--imbalance-busy-limit", type=float, default=defaults.busy_limit)
+    p.add_argument("--busy-min-holders", type=int, default=defaults.busy_min_holders)
+    p.add_argument("--idle-choices", type=int, default=defaults.idle_choices)
     p.add_argument("--jobs", type=int, default=2, help="simulations at once")
     p.add_argument("--json", type=Path)
     p.add_argument("--wait-quiet", type=float, default=0.0, metavar="S")
@@ -134,7 +150,13 @@ def _parser() -> argparse.ArgumentParser:
 def _header(args, fleet: FleetSpec, wall_s: float, other: float | None) -> str:
     load = "unknown" if other is None else f"{other:.2f}"
     busy = args.imbalance_busy_slack
-    busy_guard = "" if busy is None else f", busy share {args.imbalance_limit:g} x mean + {busy:g}"
+    busy_guard = ", busy guard off"
+    if busy not in (None, "off"):
+        busy_guard = (
+            f", busy share {args.imbalance_busy_limit:g} x mean + {busy:g}"
+            f" for prefixes {args.busy_min_holders}+ workers hold"
+        )
+    busy_guard += f", least busy of {args.idle_choices} idle"
     return (
         f"{fleet.num_prefill} prefill + {fleet.num_decode} decode workers, "
         f"{args.rate:g} requests/s, {args.duration:g} s measured after {args.warmup:g} s, "
@@ -151,8 +173,9 @@ def format_table(workload: str, results: dict[str, SimResult]) -> str:
     lines = [
         f"\n### {workload}\n",
         "| router | hit rate | prefill tokens | vs oracle | round robin / this | TTFT p50 / p99 ms"
-        " | TPOT p50 / p99 ms | imbalance: queue / work | decision p50 / p99 µs | requests |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        " | TPOT p50 / p99 ms | imbalance: queue / work | decision p50 / p99 µs | requests"
+        " | index entries | peak memory |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for name, r in results.items():
         vs_oracle = _ratio(r.computed_tokens, oracle.computed_tokens if oracle else None)
@@ -162,7 +185,8 @@ def format_table(workload: str, results: dict[str, SimResult]) -> str:
             f" | {vs_rr} | {r.ttft_ms['p50']:.1f} / {r.ttft_ms['p99']:.1f}"
             f" | {r.tpot_ms['p50']:.2f} / {r.tpot_ms['p99']:.2f}"
             f" | {r.queue_imbalance:.2f} / {r.work_imbalance:.2f}"
-            f" | {r.decision_us['p50']:.0f} / {r.decision_us['p99']:.0f} | {r.requests:,} |"
+            f" | {r.decision_us['p50']:.0f} / {r.decision_us['p99']:.0f} | {r.requests:,}"
+            f" | {r.index_entries / 1e6:.2f} M | {r.peak_memory_gb:.1f} GB |"
         )
     return "\n".join(lines)
 

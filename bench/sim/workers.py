@@ -153,11 +153,18 @@ class SimPrefillWorker(_Worker):
         self.computed_tokens = 0
         self.busy_seconds = 0.0  # steps started, counted whole when they start
         self.meter = BusyMeter(clock=lambda: host.now)
+        self.busy_fraction = 0.0  # as of the last heartbeat
+
+    def heartbeat(self) -> None:
+        """What a real worker measures once per heartbeat: its recent busy share."""
+        self.busy_fraction = self.meter.update(self.busy_seconds)
 
     def record(self) -> WorkerRecord:
         capacity = self.info.capacity
-        busy = self.meter.update(self.busy_seconds)
-        load = WorkerLoad(capacity.num_kv_blocks, len(self.queue), 0, self.queued_tokens, 0.0, busy)
+        queued = self.queued_tokens
+        load = WorkerLoad(
+            capacity.num_kv_blocks, len(self.queue), 0, queued, 0.0, self.busy_fraction
+        )
         return WorkerRecord(self.info, load)
 
     def enqueue(self, job: Job, expected_cached_blocks: int) -> None:
@@ -182,7 +189,7 @@ class SimPrefillWorker(_Worker):
             take = min(job.remaining, budget)
             chunks.append((job, take))
             new += take
-            weighted += take * job.context
+            weighted += take * self.cal.attended(take, job.context)
             budget -= take
         self.busy = True
         step = self.cal.prefill_step_s + self.cal.prefill_token_s * new
