@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from router.prefix_policy import PrefixCost
+    from tandem.registry import WorkerRole
 
 # EngineConfig fields a worker exposes as flags: (flag, type, help).
 ENGINE_FLAGS: tuple[tuple[str, type, str], ...] = (
@@ -149,34 +150,41 @@ def float_or_off(text: str) -> float | str:
         raise argparse.ArgumentTypeError(f"expected a number or 'off', got {text!r}") from None
 
 
-def _prefix_cost(defaults: PrefixCost, args: argparse.Namespace) -> PrefixCost:
-    """A pool's prefix-aware cost: its role's defaults with the flags given applied."""
+def _prefix_cost(role: WorkerRole, args: argparse.Namespace) -> PrefixCost:
+    """A pool's prefix-aware cost: its role's defaults with the flags given applied. The
+    busy guard flags apply to the prefill pool only (a decode worker with any sequence
+    steps all the time, so its busy share says little)."""
+    from router.prefix_policy import PrefixCost
+    from tandem.registry import WorkerRole
+
+    defaults = PrefixCost.default_for(role)
     slack = defaults.imbalance_slack if args.imbalance_slack is None else args.imbalance_slack
-    busy = args.imbalance_busy_slack
-    busy = defaults.busy_slack if busy is None else None if busy == "off" else busy
-    busy_limit = args.imbalance_busy_limit
-    return dataclasses.replace(
+    cost = dataclasses.replace(
         defaults,
-        busy_limit=defaults.busy_limit if busy_limit is None else busy_limit,
         temperature=args.routing_temperature,
         imbalance_limit=args.imbalance_limit,
         imbalance_slack=slack,
-        busy_slack=busy,
+    )
+    if role is not WorkerRole.PREFILL:
+        return cost
+    busy, busy_limit = args.imbalance_busy_slack, args.imbalance_busy_limit
+    return dataclasses.replace(
+        cost,
+        busy_slack=cost.busy_slack if busy is None else None if busy == "off" else busy,
+        busy_limit=cost.busy_limit if busy_limit is None else busy_limit,
     )
 
 
 def _run_router(args: argparse.Namespace) -> int:
     from router.main import RouterOptions, run
     from router.policy import PolicyName
-    from router.prefix_policy import PrefixCost
     from tandem.registry import WorkerRole
 
     _check_redis(args)
     logging.basicConfig(level=args.log_level)
     try:
         prefill_cost, decode_cost = (
-            _prefix_cost(PrefixCost.default_for(role), args)
-            for role in (WorkerRole.PREFILL, WorkerRole.DECODE)
+            _prefix_cost(role, args) for role in (WorkerRole.PREFILL, WorkerRole.DECODE)
         )
     except ValueError as err:
         raise SystemExit(f"error: {err}") from err

@@ -289,26 +289,29 @@ def test_router_flags_set_both_pools_costs_over_their_role_defaults() -> None:
     from tandem.cli import build_parser
     from tandem.server_cli import _prefix_cost
 
+    prefill, decode = WorkerRole.PREFILL, WorkerRole.DECODE
     base = ["router", "--model", "m", "--redis-url", "redis://x"]
     args = build_parser().parse_args(base)
     assert args.prefill_policy == args.decode_policy == "prefix_aware"
-    decode_default = PrefixCost.default_for(WorkerRole.DECODE)
-    assert _prefix_cost(decode_default, args) == decode_default
-    assert decode_default.busy_slack is None  # the decode pool's busy guard is off
+    for role in (prefill, decode):
+        assert _prefix_cost(role, args) == PrefixCost.default_for(role)
+        assert _prefix_cost(role, args).busy_slack is None  # the busy guard is off
     flags = ["--routing-temperature", "0.5", "--imbalance-limit", "2", "--imbalance-slack", "9"]
-    args = build_parser().parse_args([*base, *flags, "--imbalance-busy-slack", "0.02"])
-    cost = _prefix_cost(decode_default, args)
-    assert (cost.temperature, cost.imbalance_limit, cost.imbalance_slack) == (0.5, 2.0, 9.0)
-    assert cost.busy_slack == 0.02
-    prefill_default = PrefixCost.default_for(WorkerRole.PREFILL)
-    args = build_parser().parse_args(base)
-    assert _prefix_cost(prefill_default, args).busy_slack is None
-    args = build_parser().parse_args([*base, "--imbalance-busy-limit", "1.5"])
-    assert _prefix_cost(prefill_default, args).busy_limit == 1.5
+    busy = ["--imbalance-busy-slack", "0.02", "--imbalance-busy-limit", "1.5"]
+    args = build_parser().parse_args([*base, *flags, *busy])
+    for role in (prefill, decode):
+        cost = _prefix_cost(role, args)
+        assert (cost.temperature, cost.imbalance_limit, cost.imbalance_slack) == (0.5, 2.0, 9.0)
+        # the role's own weights stay
+        assert cost.decode_weight == PrefixCost.default_for(role).decode_weight
+    assert (_prefix_cost(prefill, args).busy_slack, _prefix_cost(prefill, args).busy_limit) == (
+        0.02,
+        1.5,
+    )
+    assert _prefix_cost(decode, args).busy_slack is None  # prefill pool only
     args = build_parser().parse_args(
         [*base, "--imbalance-busy-slack", "0", "--imbalance-busy-slack", "off"]
     )
-    assert _prefix_cost(prefill_default, args).busy_slack is None
+    assert _prefix_cost(prefill, args).busy_slack is None
     with pytest.raises(SystemExit):
         build_parser().parse_args([*base, "--imbalance-busy-slack", "sometimes"])
-    assert cost.decode_weight == decode_default.decode_weight  # the role's own weights stay

@@ -5,6 +5,7 @@ and far less than round robin, with fewer KV blocks pulled."""
 from __future__ import annotations
 
 import dataclasses
+import itertools
 
 import pytest
 
@@ -136,3 +137,27 @@ def test_the_calibration_fit_keeps_every_cost_non_negative() -> None:
         return float(np.sum((np.array(rows) @ np.array(coef) - np.array(convex)) ** 2))
 
     assert residual(fit) < residual(np.maximum(unconstrained, 0.0))
+
+
+def test_the_router_sees_a_simulated_workers_busy_share_as_of_its_last_heartbeat() -> None:
+    """As a real worker's registry record, a simulated one's busy share changes only when
+    it heartbeats (once a second, staggered), not with every step it takes; the queued
+    tokens it reports are always current."""
+    fleet = FleetSpec(num_prefill=2, num_decode=2, prefill_kv_blocks=512, warmup_s=0.5)
+    sim = FleetSim(fleet, CAL, "prefix_aware")
+    reports: list[tuple[float, float]] = []  # (time, busy share the router sees)
+    load_changed = sim.load_changed
+
+    def spy(worker) -> None:
+        load_changed(worker)
+        if worker is sim.prefill_workers[0]:
+            record = worker.record()
+            reports.append((sim.now, record.load.busy_fraction))
+
+    sim.load_changed = spy  # type: ignore[method-assign]
+    workload = WorkloadSpec(Shape.SHARED, rate=100.0, num_requests=400, num_prefixes=8)
+    sim.run(generate(workload))
+    changes = [t for (_, old), (t, new) in itertools.pairwise(reports) if new != old]
+    assert len(reports) > 50 and len(changes) >= 3  # it works, and reports it
+    assert len(changes) <= sim.now / fleet.heartbeat_s + 1  # at most once per heartbeat
+    assert all(later - earlier >= 0.99 for earlier, later in itertools.pairwise(changes))
