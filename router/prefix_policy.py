@@ -18,7 +18,7 @@ sequence (the batch the request joins).
   imbalance_slack`` (mean over the pool) gets no credit for what it holds: for this
   request it is a worker like any other, so a hot prefix cannot pile work onto its
   holders; it spills to the least loaded worker, which then holds it too.
-* **Busy guard** (``busy_slack``; off by default, see below). The same applies
+* **Busy guard** (``busy_slack``; on for the prefill pool). The same applies
   to a worker's reported recent busy share, which sees what momentary queues miss on a
   lightly loaded pool: the holders of a hot prefix idle at every decision yet busy
   several times as often as the rest. It applies only to a prefix that at least
@@ -26,10 +26,12 @@ sequence (the batch the request joins).
   while one held by a single worker (a chat conversation, a rare system prompt) would
   only be recomputed elsewhere, paying a full miss and a second copy for nothing
   lasting. A hot prefix first spreads through the queue guard (its one holder's queue
-  grows), so a single holder is never a pile-up the queue guard does not see. Off by
-  default because on a busy pool it feeds on itself: each spill is a miss costing
-  several hits' work, which makes the pool busier and the next spill likelier (in the
-  simulator, 8 workers 75% busy went from 94% hits and 5 ms TTFT p50 to 86% and 630 ms).
+  grows), so a single holder is never a pile-up the queue guard does not see. It
+  applies only while the pool's mean busy share is under ``busy_max_mean``: a busier
+  pool has queues for the queue guard to see, and there a busy guard feeds on itself
+  (each spill is a miss costing several hits' work, which makes the pool busier and the
+  next spill likelier: in the simulator, 8 workers 65-75% busy went from 94% hits and
+  5 ms TTFT p50 to 86% and 630 ms without this bound).
 * **KV room.** A worker without free KV blocks for the request's new blocks is chosen
   only when no worker has room.
 * **Choice.** Temperature 0: the least cost; ties go to more matched blocks, then to
@@ -90,13 +92,17 @@ class PrefixCost:
     busy_limit: float = 1.1
     """Busy guard: the multiple of the pool's mean busy share above which (plus the
     slack) a holder of a prefix several workers hold gets no credit for it."""
-    busy_slack: float | None = None
-    """Busy guard (off when ``None``, the default): a worker whose reported
+    busy_slack: float | None = 0.0
+    """Busy guard (off when ``None``, the decode pool's default): a worker whose reported
     ``busy_fraction`` exceeds ``busy_limit`` x the pool's mean + this also gets no
     credit for what it holds, for prefixes at least ``busy_min_holders`` of the pool's
     workers hold."""
     busy_min_holders: int = 2
     """The busy guard applies to prefixes at least this many workers of the pool hold."""
+    busy_max_mean: float = 0.5
+    """The busy guard applies while the pool's mean busy share is below this: above it
+    queues form and the queue guard sees imbalance, and a guard that spills misses onto
+    a busy pool feeds on itself (each spill makes the pool busier)."""
     idle_choices: int = 2
     """Idle workers drawn per decision for the tie-break (the least busy is preferred)."""
     temperature: float = 0.0
@@ -113,6 +119,8 @@ class PrefixCost:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.temperature < 0:
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.busy_max_mean <= 1:
+            raise ValueError(f"busy_max_mean must be in (0, 1], got {self.busy_max_mean}")
         if self.idle_choices < 1:
             raise ValueError(f"idle_choices must be >= 1, got {self.idle_choices}")
         if self.busy_min_holders < 1:
@@ -123,7 +131,9 @@ class PrefixCost:
     @classmethod
     def default_for(cls, role: WorkerRole) -> PrefixCost:
         if role is WorkerRole.DECODE:
-            return cls(uncached_weight=0.1, decode_weight=16.0, imbalance_slack=64.0)
+            return cls(
+                uncached_weight=0.1, decode_weight=16.0, imbalance_slack=64.0, busy_slack=None
+            )
         return cls()
 
     def load(self, record: WorkerRecord) -> float:
@@ -186,8 +196,9 @@ class PrefixAwarePolicy:
         cost = self.cost
         limit = cost.imbalance_limit * pool.mean_load() + cost.imbalance_slack
         busy_limit = math.inf
-        if cost.busy_slack is not None:
-            busy_limit = cost.busy_limit * pool.mean_busy() + cost.busy_slack
+        mean_busy = pool.mean_busy() if cost.busy_slack is not None else math.inf
+        if mean_busy < cost.busy_max_mean:
+            busy_limit = cost.busy_limit * mean_busy + cost.busy_slack
         scorer = _Scorer(self, request.num_prompt_tokens, limit, busy_limit)
         matched = request.matched_blocks
         if len(matched) <= DIRECT_HOLDERS:

@@ -39,12 +39,16 @@ BUSY_WINDOW_S = 10.0
 
 class BusyMeter:
     """The share of recent time an engine spent stepping, from its cumulative
-    ``busy_seconds``: an exponentially decayed average with time constant ``window_s``."""
+    ``busy_seconds``: an exponentially decayed average with time constant ``window_s``,
+    corrected for its start (the average over the time it has seen, not a ramp up from
+    0), so a worker that just started reports what it does, not a fraction of it."""
 
     def __init__(self, window_s: float = BUSY_WINDOW_S, clock=time.monotonic) -> None:
         self.window_s, self._clock = window_s, clock
         self._at: float | None = None
         self._busy = 0.0
+        self._average = 0.0  # decayed average, still biased towards its start at 0
+        self._weight = 0.0  # how much of the average is measurement: 1 - exp(-seen / window)
         self.fraction = 0.0
 
     def update(self, busy_seconds: float) -> float:
@@ -52,7 +56,10 @@ class BusyMeter:
         if self._at is not None and now > self._at:
             elapsed = now - self._at
             recent = max(0.0, busy_seconds - self._busy) / elapsed
-            self.fraction += (1 - math.exp(-elapsed / self.window_s)) * (recent - self.fraction)
+            keep = math.exp(-elapsed / self.window_s)
+            self._average = keep * self._average + (1 - keep) * recent
+            self._weight = keep * self._weight + (1 - keep)
+            self.fraction = self._average / self._weight
         self._at, self._busy = now, busy_seconds
         return self.fraction
 

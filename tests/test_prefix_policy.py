@@ -249,8 +249,15 @@ def test_the_busy_guard_sees_a_holder_that_is_idle_now_but_busy_over_time() -> N
     # One holder within the limit (1.1 x mean 0.1875 + 0.02 = 0.226): it keeps the hit.
     pool[1] = busy("b", 0.2)
     assert choose(guarded, req, pool) == "b"
-    # Off unless asked for, in both pools.
-    assert PrefixCost.default_for(WorkerRole.PREFILL).busy_slack is None
+    # On in the prefill pool by default, off in the decode pool.
+    assert PrefixCost.default_for(WorkerRole.PREFILL).busy_slack == 0.0
+    assert PrefixCost.default_for(WorkerRole.DECODE).busy_slack is None
+    # On a pool busy half the time or more it stands aside: queues show imbalance there,
+    # and spilling misses onto a busy pool feeds on itself.
+    loaded = [busy("a", 0.9), busy("b", 0.9), busy("c", 0.3), busy("d", 0.3)]  # mean 0.6
+    assert choose(guarded, req, loaded) in ("a", "b")
+    with pytest.raises(ValueError, match="busy_max_mean"):
+        PrefixCost(busy_max_mean=0.0)
     with pytest.raises(ValueError, match="busy_slack"):
         PrefixCost(busy_slack=-0.1)
     with pytest.raises(ValueError, match="busy_min_holders"):
@@ -295,7 +302,8 @@ def test_router_flags_set_both_pools_costs_over_their_role_defaults() -> None:
     assert args.prefill_policy == args.decode_policy == "prefix_aware"
     for role in (prefill, decode):
         assert _prefix_cost(role, args) == PrefixCost.default_for(role)
-        assert _prefix_cost(role, args).busy_slack is None  # the busy guard is off
+    assert _prefix_cost(prefill, args).busy_slack == 0.0  # the busy guard is on
+    assert _prefix_cost(decode, args).busy_slack is None  # and off for the decode pool
     flags = ["--routing-temperature", "0.5", "--imbalance-limit", "2", "--imbalance-slack", "9"]
     busy = ["--imbalance-busy-slack", "0.02", "--imbalance-busy-limit", "1.5"]
     args = build_parser().parse_args([*base, *flags, *busy])

@@ -88,6 +88,26 @@ def test_busy_meter_tracks_the_recent_share_of_time_spent_stepping() -> None:
     assert 0.01 < share < 0.3 * 0.06
 
 
+def test_a_new_busy_meter_reports_what_it_saw_not_a_ramp_from_zero() -> None:
+    """Two seconds after start at 75% busy, the meter says 0.75 (an uncorrected decayed
+    average would say 0.75 x (1 - e^-0.2) = 0.14); then it follows changes with its time
+    constant as before."""
+    from tandem.worker_load import BusyMeter
+
+    now = [0.0]
+    meter = BusyMeter(window_s=10.0, clock=lambda: now[0])
+    busy = 0.0
+    meter.update(busy)
+    for _ in range(2):
+        now[0] += 1.0
+        busy += 0.75
+        share = meter.update(busy)
+    assert abs(share - 0.75) < 1e-9
+    now[0] += 10.0  # ten idle seconds outweigh the two busy ones (decayed): about 0.07
+    share = meter.update(busy)
+    assert 0.05 < share < 0.1
+
+
 @pytest.mark.parametrize(
     ("mutate", "reason"),
     [
