@@ -57,7 +57,7 @@ from __future__ import annotations
 
 import hashlib
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -221,12 +221,7 @@ class PrefixAwarePolicy:
     def _score_holders_then_least_loaded(
         self, scorer: _Scorer, matched: Mapping[str, int], pool: PoolView
     ) -> None:
-        holders = [(pool.get(worker_id), blocks) for worker_id, blocks in matched.items()]
-        holders = [(record, blocks) for record, blocks in holders if record is not None]
-        if len(holders) < self.cost.busy_min_holders:
-            scorer.busy_limit = math.inf
-        for record, blocks in holders:
-            scorer.add(record, blocks)
+        self._score_holders(scorer, matched.items(), pool)
         wanted = 1 if self.cost.temperature == 0 else self.cost.softmax_candidates
         for record in pool.cheapest(wanted + _ROOM_SPARE, skip=scorer.scored):
             scorer.add(record, 0)
@@ -239,18 +234,22 @@ class PrefixAwarePolicy:
         plus the least loaded workers. The least loaded of a random sample is close to
         the least loaded of all (the power of d choices), at a bounded cost. The busy
         guard's holder count is the sample's."""
-        sample = [
-            (pool.get(worker_id), blocks)
-            for worker_id, blocks in _sample(matched, HOLDER_SAMPLE, u)
-        ]
-        holders = [(record, blocks) for record, blocks in sample if record is not None]
+        self._score_holders(scorer, _sample(matched, HOLDER_SAMPLE, u), pool)
+        wanted = 1 if self.cost.temperature == 0 else self.cost.softmax_candidates
+        for record in pool.cheapest(wanted + _ROOM_SPARE):
+            scorer.add(record, matched.get(record.info.worker_id, 0))
+
+    def _score_holders(
+        self, scorer: _Scorer, matched: Iterable[tuple[str, int]], pool: PoolView
+    ) -> None:
+        """Score the holders in ``pool``; fewer than ``busy_min_holders`` of them turn
+        the busy guard off for this request."""
+        holders = [(pool.get(worker_id), blocks) for worker_id, blocks in matched]
+        holders = [(record, blocks) for record, blocks in holders if record is not None]
         if len(holders) < self.cost.busy_min_holders:
             scorer.busy_limit = math.inf
         for record, blocks in holders:
             scorer.add(record, blocks)
-        wanted = 1 if self.cost.temperature == 0 else self.cost.softmax_candidates
-        for record in pool.cheapest(wanted + _ROOM_SPARE):
-            scorer.add(record, matched.get(record.info.worker_id, 0))
 
     # --- the choice --------------------------------------------------------------------
 
