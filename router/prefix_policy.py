@@ -27,11 +27,15 @@ sequence (the batch the request joins).
   only be recomputed elsewhere, paying a full miss and a second copy for nothing
   lasting. A hot prefix first spreads through the queue guard (its one holder's queue
   grows), so a single holder is never a pile-up the queue guard does not see. It
-  applies only while the pool's mean busy share is under ``busy_max_mean``: a busier
-  pool has queues for the queue guard to see, and there a busy guard feeds on itself
-  (each spill is a miss costing several hits' work, which makes the pool busier and the
-  next spill likelier: in the simulator, 8 workers 65-75% busy went from 94% hits and
-  5 ms TTFT p50 to 86% and 630 ms without this bound).
+  applies only to a pool at rest: while the pool's mean load is under the queue guard's
+  slack and its mean busy share under ``busy_max_mean``. A pool with queues has
+  imbalance for the queue guard to see, and there a busy guard feeds on itself: each
+  spill is a miss costing several hits' work, which makes the pool busier and the next
+  spill likelier. In the simulator, 8 workers 65-75% busy went from 94% hits and 5 ms
+  TTFT p50 to 86% and 630 ms without the busy bound; 8 starting cold, whose first busy
+  reports were still out while queues grew, to 85% and 900 ms without the load bound.
+  The busy shares the guard compares are the reports brought up to now with what the
+  router sent since (``router.inflight``).
 * **KV room.** A worker without free KV blocks for the request's new blocks is chosen
   only when no worker has room.
 * **Choice.** Temperature 0: the least cost; ties go to more matched blocks, then to
@@ -100,9 +104,10 @@ class PrefixCost:
     busy_min_holders: int = 2
     """The busy guard applies to prefixes at least this many workers of the pool hold."""
     busy_max_mean: float = 0.5
-    """The busy guard applies while the pool's mean busy share is below this: above it
-    queues form and the queue guard sees imbalance, and a guard that spills misses onto
-    a busy pool feeds on itself (each spill makes the pool busier)."""
+    """The busy guard applies while the pool's mean busy share is below this (and its
+    mean load below ``imbalance_slack``): above it queues form and the queue guard sees
+    imbalance, and a guard that spills misses onto a busy pool feeds on itself (each
+    spill makes the pool busier)."""
     idle_choices: int = 2
     """Idle workers drawn per decision for the tie-break (the least busy is preferred)."""
     temperature: float = 0.0
@@ -194,11 +199,13 @@ class PrefixAwarePolicy:
         if not len(pool):
             return None
         cost = self.cost
-        limit = cost.imbalance_limit * pool.mean_load() + cost.imbalance_slack
+        mean_load = pool.mean_load()
+        limit = cost.imbalance_limit * mean_load + cost.imbalance_slack
         busy_limit = math.inf
-        mean_busy = pool.mean_busy() if cost.busy_slack is not None else math.inf
-        if mean_busy < cost.busy_max_mean:
-            busy_limit = cost.busy_limit * mean_busy + cost.busy_slack
+        if cost.busy_slack is not None and mean_load < cost.imbalance_slack:
+            mean_busy = pool.mean_busy()
+            if mean_busy < cost.busy_max_mean:
+                busy_limit = cost.busy_limit * mean_busy + cost.busy_slack
         scorer = _Scorer(self, request.num_prompt_tokens, limit, busy_limit)
         matched = request.matched_blocks
         if len(matched) <= DIRECT_HOLDERS:

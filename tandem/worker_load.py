@@ -7,7 +7,7 @@ import time
 from typing import Protocol
 
 from protos import worker_pb2
-from tandem.registry import WorkerLoad
+from tandem.registry import BUSY_WINDOW_S, WorkerLoad
 
 
 class EngineLoadLike(Protocol):
@@ -31,10 +31,6 @@ class SpecDecodeStatsLike(Protocol):
     num_request_passes: int
     num_pass_tokens: int
     proposer_seconds: float
-
-
-BUSY_WINDOW_S = 10.0
-"""Time constant of ``BusyMeter``'s decayed average."""
 
 
 class BusyMeter:

@@ -8,8 +8,10 @@ What is real and what is simulated:
   ``RoutingRequest`` it is asked about;
 * simulated: workers (``bench.sim.workers``) with step costs measured on the real
   engine, the event stream (a fixed lag between a worker's step and the index seeing
-  its events), and the load the router sees: exact, as a single router's in-flight
-  accounting makes it (``router.inflight``);
+  its events), and the registry: prefill workers report their load at staggered
+  heartbeats, which the router's real ``InflightLoad`` merges with the work it sent
+  since, as the router does (decode workers' load the router sees exactly: its streams
+  are its in-flight count);
 * ``oracle``: the prefix-aware policy reading an index with no lag at all, i.e. every
   worker's cache as it is at the moment of the decision.
 
@@ -35,6 +37,7 @@ import numpy as np
 from bench.prefix_workloads import BlockNamer, PromptPlan
 from bench.sim.calibration import Calibration
 from bench.sim.workers import Job, SimDecodeWorker, SimPrefillWorker
+from router.inflight import InflightLoad
 from router.kv_index import EMPTY_MATCH
 from router.kv_indexer import KVIndexer
 from router.policy import LeastLoaded, RoundRobin, RoutingPolicy, RoutingRequest
@@ -59,9 +62,8 @@ class FleetSpec:
     warmup_s: float = 10.0
     """Requests arriving earlier warm the caches and are left out of the figures."""
     heartbeat_s: float = 1.0
-    """Prefill workers report their busy share this often (staggered), as real ones
-    do with their registry heartbeat; queued work the router sees at once (its own
-    in-flight accounting)."""
+    """Prefill workers report their load this often (staggered), as real ones do with
+    their registry heartbeat."""
 
 
 @dataclass
@@ -123,6 +125,7 @@ class FleetSim:
         elif router == "oracle":
             self.lag = 0.0
         self.indexer = KVIndexer() if self.lag is not None else None
+        self.inflight = InflightLoad(clock=lambda: self.now)
         self.prefill_pool = IndexedPool(self.prefill_policy.load_key)
         self.decode_pool = IndexedPool(self.decode_policy.load_key)
         self.namer = BlockNamer(cal.block_size)
@@ -200,6 +203,8 @@ class FleetSim:
         )  # fmt: skip
         worker, matched, seconds = self._pick(job, self.prefill_policy, self.prefill_pool)
         job.decision_s = seconds
+        uncached = max(1, job.num_tokens - matched * self.cal.block_size)
+        job.ticket = self.inflight.begin_prefill(worker, uncached)
         self.prefill_workers[self._prefill_index[worker]].enqueue(job, matched)
 
     def _pick(self, job: Job, policy: RoutingPolicy, pool: IndexedPool) -> tuple[str, int, float]:
@@ -215,6 +220,9 @@ class FleetSim:
         return worker_id, matched.get(worker_id, 0), time.thread_time() - start
 
     def prefilled(self, job: Job, worker: SimPrefillWorker) -> None:
+        """``job``'s first token is out (``worker`` reports its load change next)."""
+        assert job.ticket is not None
+        self.inflight.end(job.ticket)
         job.first_token_at = self.now
         worker_id, _, seconds = self._pick(job, self.decode_policy, self.decode_pool)
         if job.measured:
@@ -232,15 +240,14 @@ class FleetSim:
     # --- load and events ---------------------------------------------------------------
 
     def load_changed(self, worker: SimPrefillWorker | SimDecodeWorker) -> None:
-        record = worker.record()
-        if record.info.role is WorkerRole.PREFILL:
+        if isinstance(worker, SimPrefillWorker):
             i = self._prefill_index[worker.worker_id]
             self._queued_area[i] += self._queued[i] * (self.now - self._queued_at[i])
             self._queued_at[i] = self.now
-            self._queued[i] = record.load.num_queued_prefill_tokens
-            self.prefill_pool.update(record)
+            self._queued[i] = worker.queued_tokens
+            self.prefill_pool.update(self.inflight.adjust([worker.record()])[0])
         else:
-            self.decode_pool.update(record)
+            self.decode_pool.update(worker.record())
 
     def publish(self, worker_id: str, events: list[KVCacheEvent]) -> None:
         if self.indexer is None:

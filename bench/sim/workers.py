@@ -9,7 +9,9 @@ routing sees, with step times from ``Calibration``.
 * ``SimPrefillWorker`` — FIFO chunked prefill: each step takes up to
   ``max_num_batched_tokens`` new tokens from the front of the queue; a request looks up
   the cache when it first gets budget; when its last chunk is done its first token is
-  out and its blocks are stored (and published as events).
+  out and its blocks are stored (and published as events). Like a real prefill worker
+  it reports its load (queue, busy share) only at heartbeats; the router adds what it
+  sent since (``router.inflight``).
 * ``SimDecodeWorker`` — pulls the blocks it lacks (``pull_time``), then joins a
   continuous batch of at most ``max_num_seqs``; every step yields a token per sequence.
 
@@ -27,6 +29,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from bench.sim.calibration import Calibration
+from router.inflight import Ticket
 from tandem.kv_events import BlocksEvicted, BlocksStored, KVCacheEvent
 from tandem.registry import WorkerCapacity, WorkerInfo, WorkerLoad, WorkerRecord, WorkerRole
 from tandem.worker_load import BusyMeter
@@ -50,6 +53,7 @@ class Job:
     finish_step: int = 0
     decision_s: float = 0.0
     cached_blocks: int = 0
+    ticket: Ticket | None = None  # the router's in-flight prefill
 
     @property
     def request_id(self) -> str:
@@ -153,19 +157,28 @@ class SimPrefillWorker(_Worker):
         self.computed_tokens = 0
         self.busy_seconds = 0.0  # steps started, counted whole when they start
         self.meter = BusyMeter(clock=lambda: host.now)
-        self.busy_fraction = 0.0  # as of the last heartbeat
+        self._reported = WorkerRecord(self.info, WorkerLoad(capacity.num_kv_blocks, 0, 0, 0, 0.0))
+
+    @property
+    def busy_fraction(self) -> float:
+        """The busy share of the last heartbeat."""
+        return self._reported.load.busy_fraction
 
     def heartbeat(self) -> None:
-        """What a real worker measures once per heartbeat: its recent busy share."""
-        self.busy_fraction = self.meter.update(self.busy_seconds)
+        """What a real worker reports once per heartbeat: its queue and recent busy share."""
+        load = WorkerLoad(
+            self.info.capacity.num_kv_blocks,
+            0,
+            len(self.queue),
+            self.queued_tokens,
+            self.host.now,
+            self.meter.update(self.busy_seconds),
+        )
+        self._reported = WorkerRecord(self.info, load)
 
     def record(self) -> WorkerRecord:
-        capacity = self.info.capacity
-        queued = self.queued_tokens
-        load = WorkerLoad(
-            capacity.num_kv_blocks, len(self.queue), 0, queued, 0.0, self.busy_fraction
-        )
-        return WorkerRecord(self.info, load)
+        """The last heartbeat's report."""
+        return self._reported
 
     def enqueue(self, job: Job, expected_cached_blocks: int) -> None:
         """``expected_cached_blocks``: what the worker's cache holds now (the queued-token

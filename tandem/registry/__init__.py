@@ -28,6 +28,7 @@ notices, connections), ``registration`` (worker side), ``watcher`` (router side)
 """
 
 from tandem.registry.records import (
+    BUSY_WINDOW_S,
     SCHEMA_VERSION,
     RegistryDecodeError,
     WorkerCapacity,
@@ -48,6 +49,7 @@ from tandem.registry.registration import (
 from tandem.registry.watcher import DEFAULT_POLL_INTERVAL_S, RegistryWatcher, WorkerCallback
 
 __all__ = [
+    "BUSY_WINDOW_S",
     "DEFAULT_HEARTBEAT_INTERVAL_S",
     "DEFAULT_POLL_INTERVAL_S",
     "DEFAULT_PREFIX",

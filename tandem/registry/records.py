@@ -16,6 +16,9 @@ from typing import TypeVar
 SCHEMA_VERSION = 1
 """Version of the JSON entry; bump it on any incompatible change of the fields below."""
 
+BUSY_WINDOW_S = 10.0
+"""Time constant (seconds) of the decayed average behind ``WorkerLoad.busy_fraction``."""
+
 _T = TypeVar("_T")
 
 
@@ -68,7 +71,7 @@ class WorkerLoad:
     num_queued_prefill_tokens: int
     updated_at: float = field(default_factory=time.time)
     busy_fraction: float = 0.0
-    """Share of recent time the engine spent stepping (decayed average over about 10 s):
+    """Share of recent time the engine spent stepping (decayed average, ``BUSY_WINDOW_S``):
     what a momentary queue does not show, e.g. a worker idle at every report but busy
     three times as often as the others."""
 
