@@ -106,7 +106,7 @@ class PrefillLedger:
 
     def _busy_at(self, t: float, i: int = -1) -> float:
         busy = self._busy[i]
-        return busy + (t - self._times[i]) if self._requests[i] else busy
+        return busy + max(0.0, t - self._times[i]) if self._requests[i] else busy
 
 
 def predicted_busy(reported: float, occupied_s: float, elapsed_s: float, window_s: float) -> float:
@@ -195,12 +195,14 @@ class InflightLoad:
             now - reported_at,
             self.busy_window_s,
         )
+        # A worker this router has work on is not idle, whatever the estimates say.
+        floor = 1 if mine.prefill_requests else 0
         return replace(
             load,
             num_queued_prefill_tokens=max(
-                0, load.num_queued_prefill_tokens + mine.prefill_tokens - tokens
+                floor, load.num_queued_prefill_tokens + mine.prefill_tokens - tokens
             ),
-            num_waiting_seqs=max(0, load.num_waiting_seqs + mine.prefill_requests - requests),
+            num_waiting_seqs=max(floor, load.num_waiting_seqs + mine.prefill_requests - requests),
             busy_fraction=busy,
         )
 

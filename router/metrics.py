@@ -183,7 +183,8 @@ def _worker_families(watcher: RegistryWatcher, inflight: InflightLoad) -> list[s
         format_family(
             "tandem_router_worker_busy_fraction",
             "gauge",
-            "share of the last ~10 s the worker's engine spent stepping (heartbeat)",
+            "share of the last ~10 s the worker's engine spent stepping (reported, brought "
+            "up to now with this router's work since)",
             samples["busy"],
         ),
     ]

@@ -168,3 +168,18 @@ def test_a_report_corrects_the_routers_estimate_of_work_still_in_flight() -> Non
     inflight.begin_prefill("a", 50)
     (after,) = inflight.adjust([record("a", queued=100, at=100.2)])
     assert after.load.num_queued_prefill_tokens == 150
+
+
+def test_a_worker_with_work_in_flight_never_looks_idle() -> None:
+    """Two requests in flight at the report, the first partly computed (the report
+    counts less of it than the router's estimate). When the first returns, subtracting
+    its estimate would put the second's worker at zero: idle to the policies, which
+    would pile the next request behind a running prefill."""
+    clock = Clock()
+    inflight = InflightLoad(clock)
+    first = inflight.begin_prefill("a", 2000)
+    inflight.begin_prefill("a", 500)
+    clock.now = 100.5
+    inflight.end(first)
+    (a,) = inflight.adjust([record("a", queued=1500, at=100.2)])  # 1,000 + 500 left
+    assert a.load.num_queued_prefill_tokens >= 1 and a.load.num_waiting_seqs >= 1
