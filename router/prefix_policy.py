@@ -33,7 +33,7 @@ sequence (the batch the request joins).
   spill is a miss costing several hits' work, which makes the pool busier and the next
   spill likelier. In the simulator, 8 workers 65-75% busy went from 94% hits and 5 ms
   TTFT p50 to 86% and 630 ms without the busy bound; 8 starting cold, whose first busy
-  reports were still out while queues grew, to 85% and 900 ms without the load bound.
+  reports were still out while queues grew, to 88% and 530 ms without the load bound.
   The busy shares the guard compares are the reports brought up to now with what the
   router sent since (``router.inflight``).
 * **KV room.** A worker without free KV blocks for the request's new blocks is chosen
