@@ -159,11 +159,6 @@ class SimPrefillWorker(_Worker):
         self.meter = BusyMeter(clock=lambda: host.now)
         self._reported = WorkerRecord(self.info, WorkerLoad(capacity.num_kv_blocks, 0, 0, 0, 0.0))
 
-    @property
-    def busy_fraction(self) -> float:
-        """The busy share of the last heartbeat."""
-        return self._reported.load.busy_fraction
-
     def heartbeat(self) -> None:
         """What a real worker reports once per heartbeat: its queue and recent busy share."""
         load = WorkerLoad(
