@@ -80,6 +80,12 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "the decode pool)",
     )
     router.add_argument(
+        "--idle-choices",
+        type=int,
+        help="prefix_aware: idle workers drawn per request for a tied choice, the least "
+        "busy lately of them wins (default 4)",
+    )
+    router.add_argument(
         "--disaggregation-min-tokens",
         type=int,
         default=32,
@@ -164,6 +170,7 @@ def _prefix_cost(role: WorkerRole, args: argparse.Namespace) -> PrefixCost:
         temperature=args.routing_temperature,
         imbalance_limit=args.imbalance_limit,
         imbalance_slack=slack,
+        idle_choices=defaults.idle_choices if args.idle_choices is None else args.idle_choices,
     )
     if role is not WorkerRole.PREFILL:
         return cost

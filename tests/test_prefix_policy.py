@@ -137,9 +137,9 @@ def test_ties_between_idle_workers_spread_evenly_and_replicas_agree() -> None:
     assert picks == [choose(replica, request(rid=f"r{i}"), workers) for i in range(400)]
 
 
-def test_a_miss_leans_to_the_less_busy_of_two_idle_workers() -> None:
-    """All idle, all missing the prompt: each decision draws two of the tied workers by
-    its request id and takes the one less busy lately, so over many misses the chosen
+def test_a_miss_leans_to_the_least_busy_of_the_idle_workers_drawn() -> None:
+    """All idle, all missing the prompt: each decision draws ``idle_choices`` of the tied
+    workers by its request id and takes the one least busy lately, so over many misses the chosen
     workers' mean busy share is well below the pool's, yet the misses still spread over
     many workers (no flood onto the single least busy). The same on every replica and in
     any list order."""
@@ -306,10 +306,11 @@ def test_router_flags_set_both_pools_costs_over_their_role_defaults() -> None:
     assert _prefix_cost(decode, args).busy_slack is None  # and off for the decode pool
     flags = ["--routing-temperature", "0.5", "--imbalance-limit", "2", "--imbalance-slack", "9"]
     busy = ["--imbalance-busy-slack", "0.02", "--imbalance-busy-limit", "1.5"]
-    args = build_parser().parse_args([*base, *flags, *busy])
+    args = build_parser().parse_args([*base, *flags, *busy, "--idle-choices", "3"])
     for role in (prefill, decode):
         cost = _prefix_cost(role, args)
         assert (cost.temperature, cost.imbalance_limit, cost.imbalance_slack) == (0.5, 2.0, 9.0)
+        assert cost.idle_choices == 3
         # the role's own weights stay
         assert cost.decode_weight == PrefixCost.default_for(role).decode_weight
     assert (_prefix_cost(prefill, args).busy_slack, _prefix_cost(prefill, args).busy_limit) == (

@@ -78,7 +78,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         event_lag_s=args.event_lag_ms / 1000,
         warmup_s=args.warmup,
     )
-    specs = workload_specs(args.rate, args.duration + args.warmup, args.prefill_workers)
+    specs = workload_specs(
+        args.rate, args.duration + args.warmup, args.prefill_workers, seed=args.seed
+    )
     workloads = args.workloads.split(",")
     routers = args.routers.split(",")
     cost = PrefixCost(
@@ -124,6 +126,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--warmup", type=float, default=10.0, help="seconds before measuring")
     p.add_argument("--calibration", default="tiny", help="bench/sim/calibration_<name>.json")
     p.add_argument("--event-lag-ms", type=float, default=5.0)
+    p.add_argument("--seed", type=int, default=0, help="the workloads' random seed")
     defaults = PrefixCost.default_for(WorkerRole.PREFILL)
     p.add_argument(
         "--imbalance-limit",
@@ -160,7 +163,8 @@ def _header(args, fleet: FleetSpec, wall_s: float, other: float | None) -> str:
     return (
         f"{fleet.num_prefill} prefill + {fleet.num_decode} decode workers, "
         f"{args.rate:g} requests/s, {args.duration:g} s measured after {args.warmup:g} s, "
-        f"calibration {args.calibration!r}, event lag {args.event_lag_ms:g} ms, prefill guard "
+        f"seed {args.seed}, calibration {args.calibration!r}, "
+        f"event lag {args.event_lag_ms:g} ms, prefill guard "
         f"{args.imbalance_limit:g} x mean + {args.imbalance_slack:g}"
         f"{busy_guard}; "
         f"{wall_s:.0f} s wall, other processes used {load} cores"
