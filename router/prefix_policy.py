@@ -45,9 +45,10 @@ sequence (the batch the request joins).
   the tied is drawn the same way. So equal work spreads evenly (a big fleet is mostly
   idle workers tied at zero load) instead of piling onto the smallest worker id, leans
   to the workers that did less lately (the power of d choices), and every replica
-  chooses the same. Four draws by default: on the nearly idle 500-worker pool of the
-  skewed workload, two gave a queue imbalance of 1.25-1.33 over five runs and four
-  1.20-1.22 over three (see the README).
+  chooses the same. Four independent draws by default: on the nearly idle 500-worker
+  pool of the skewed workload, two evenly spaced ones gave a queue imbalance of
+  1.25-1.33 over five runs, four independent ones 1.18-1.25 over three seeds (see the
+  README).
   Temperature ``T > 0``: a draw among the ``softmax_candidates`` cheapest with
   probability proportional to ``exp(-(cost - min cost) / (T * w_uncached * P))``. The
   uniform number comes from BLAKE2b of the request id, so every router replica draws
