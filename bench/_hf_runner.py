@@ -6,7 +6,7 @@ longest request's ``max_tokens``, with ``min_new_tokens`` equal to it so EOS can
 a row early; each request is then credited only the tokens it asked for, so a static
 batch pays for the padding a continuous-batching engine avoids.
 
-Run by ``throughput.py`` as ``python -m bench._hf_runner JOB.json RESULT.json``.
+Run by ``throughput.py`` as ``python -m tandem.bench._hf_runner JOB.json RESULT.json``.
 """
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ import torch
 import transformers
 from transformers import AutoModelForCausalLM
 
-from bench._runner import RunnerJob, run
-from bench.workloads import Request
+from tandem.bench._runner import RunnerJob, run
+from tandem.bench.workloads import Request
 
 
 class HFStaticBatch:

@@ -23,7 +23,12 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Protocol
 
-from bench.workloads import Request, requests_from_json, requests_to_json, total_output_tokens
+from tandem.bench.workloads import (
+    Request,
+    requests_from_json,
+    requests_to_json,
+    total_output_tokens,
+)
 
 _REQUEST_FIELDS = ("warmup", "requests", "probe_long", "probe_short")
 

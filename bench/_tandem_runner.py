@@ -1,6 +1,6 @@
 """The ``tandem`` system: Tandem's offline engine (``engine.LLM``), vLLM-style API.
 
-Run by ``throughput.py`` as ``python -m bench._tandem_runner JOB.json RESULT.json`` from the
+Run by ``throughput.py`` as ``python -m tandem.bench._tandem_runner JOB.json RESULT.json`` from the
 repository root, so ``engine`` imports from the working tree.
 """
 
@@ -11,21 +11,21 @@ from collections.abc import Sequence
 
 import torch
 
-from bench._runner import RunnerJob, run
-from bench.workloads import Request
+from tandem.bench._runner import RunnerJob, run
+from tandem.bench.workloads import Request
 
 
 class TandemOffline:
     """``engine.LLM`` over a float32 checkpoint, fed token-id prompts."""
 
     def __init__(self, job: RunnerJob) -> None:
-        from engine import LLM
+        from tandem.engine import LLM
 
         torch.set_num_threads(job.threads)
         self.llm = LLM(job.model_dir, dtype="float32", **job.limits.as_kwargs())
 
     def generate(self, requests: Sequence[Request]) -> list[list[int]]:
-        from engine import SamplingParams
+        from tandem.engine import SamplingParams
 
         prompts = [list(r.prompt_token_ids) for r in requests]
         params = [

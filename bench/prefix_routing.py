@@ -33,11 +33,11 @@ from pathlib import Path
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.loadgen import PlannedRequest, Report, Slo, run_load, summarize
-from bench.machine_load import OtherLoad, processes_cpu_s, wait_for_quiet
-from bench.prefix_workloads import SegmentTokens, Shape, WorkloadSpec, generate
-from bench.workloads import IntRange, TokenPool
-from tandem.client import AsyncGenerationClient
+from tandem.bench.loadgen import PlannedRequest, Report, Slo, run_load, summarize
+from tandem.bench.machine_load import OtherLoad, processes_cpu_s, wait_for_quiet
+from tandem.bench.prefix_workloads import SegmentTokens, Shape, WorkloadSpec, generate
+from tandem.bench.workloads import IntRange, TokenPool
+from tandem.common.client import AsyncGenerationClient
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,7 +67,7 @@ def plan(spec: WorkloadSpec, pool: TokenPool) -> tuple[PlannedRequest, ...]:
 
 
 def run_policy(args, model_dir: Path, name: str, policy: str, planned) -> PolicyRun:
-    from tandem.launcher import ClusterSpec, LocalCluster
+    from tandem.cli.launcher import ClusterSpec, LocalCluster
 
     metrics_port = _free_port()
     spec = ClusterSpec(
@@ -133,7 +133,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--wait-quiet", type=float, default=0.0, metavar="S")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args(argv)
-    from engine.checkpoint_maker import make_model
+    from tandem.tools.checkpoint_maker import make_model
 
     runs = []
     with tempfile.TemporaryDirectory() as tmp:

@@ -30,7 +30,7 @@ from collections import OrderedDict
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from bench.workloads import IntRange, TokenPool
+from tandem.bench.workloads import IntRange, TokenPool
 
 
 class Shape(enum.Enum):

@@ -31,8 +31,14 @@ if __package__ in (None, ""):
 
 import grpc
 
-from protos import common_pb2, generation_pb2, generation_pb2_grpc, worker_pb2, worker_pb2_grpc
-from tandem.launcher import ClusterSpec, LocalCluster
+from tandem.cli.launcher import ClusterSpec, LocalCluster
+from tandem.protos import (
+    common_pb2,
+    generation_pb2,
+    generation_pb2_grpc,
+    worker_pb2,
+    worker_pb2_grpc,
+)
 
 
 def _percentile(values: list[float], q: float) -> float:
@@ -118,7 +124,7 @@ def main() -> int:
     parser.add_argument("--warmup", type=int, default=20)
     parser.add_argument("--port", type=int, default=50061)
     args = parser.parse_args()
-    from tandem.serve_cli import default_model
+    from tandem.cli.serve import default_model
 
     rng = random.Random(0)
     spec = ClusterSpec(

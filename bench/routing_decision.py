@@ -26,17 +26,17 @@ from pathlib import Path
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.machine_load import OtherLoad, wait_for_quiet
-from router.inflight import InflightLoad
-from router.kv_indexer import KVIndexer
-from router.orchestrator import Orchestrator, OrchestratorConfig
-from router.policy import PolicyName, make_policy
-from router.validation import ValidatedRequest
-from tandem.hashing import hash_blocks
-from tandem.kv_event_wire import CacheSnapshot, EventBatch
-from tandem.kv_events import BlocksStored
-from tandem.registry import WorkerCapacity, WorkerInfo, WorkerLoad, WorkerRecord, WorkerRole
-from tandem.sampling_params import SamplingParams
+from tandem.bench.machine_load import OtherLoad, wait_for_quiet
+from tandem.common.hashing import hash_blocks
+from tandem.common.kv_events.events import BlocksStored
+from tandem.common.kv_events.wire import CacheSnapshot, EventBatch
+from tandem.common.registry import WorkerCapacity, WorkerInfo, WorkerLoad, WorkerRecord, WorkerRole
+from tandem.common.sampling_params import SamplingParams
+from tandem.router.kv_index.indexer import KVIndexer
+from tandem.router.orchestrator import Orchestrator, OrchestratorConfig
+from tandem.router.routing.inflight import InflightLoad
+from tandem.router.routing.policy import PolicyName, make_policy
+from tandem.router.validation import ValidatedRequest
 
 BLOCK = 16
 

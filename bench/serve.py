@@ -28,7 +28,7 @@ if __package__ in (None, ""):  # run as a script: make the `bench` package impor
 import grpc
 from tqdm import tqdm
 
-from bench.loadgen import (
+from tandem.bench.loadgen import (
     Distribution,
     LoadSpec,
     PlannedRequest,
@@ -39,9 +39,9 @@ from bench.loadgen import (
     run_load,
     summarize,
 )
-from bench.workloads import IntRange, TokenPool
-from protos import generation_pb2
-from tandem.client import AsyncGenerationClient
+from tandem.bench.workloads import IntRange, TokenPool
+from tandem.common.client import AsyncGenerationClient
+from tandem.protos import generation_pb2
 
 EXIT_USAGE = 2
 

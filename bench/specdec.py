@@ -40,9 +40,9 @@ if __package__ in (None, ""):
 
 import torch
 
-from bench.machine_load import OtherLoad
-from engine import LLM, SamplingParams
-from engine.spec_decode.speculator import SpecDecodeStats
+from tandem.bench.machine_load import OtherLoad
+from tandem.engine import LLM, SamplingParams
+from tandem.engine.spec_decode.speculator import SpecDecodeStats
 
 RESULTS = Path("bench/results")
 HELD_OUT_FILES = 8  # well inside the 2% of the corpus that training holds out
@@ -129,8 +129,8 @@ def _delta(after: SpecDecodeStats, before: SpecDecodeStats) -> SpecDecodeStats:
 
 
 def build_cases(names: list[str], quick: bool) -> list[Case]:
-    from engine.checkpoint_maker import make_model
-    from tandem.tokenizer import Tokenizer
+    from tandem.common.tokenizer import Tokenizer
+    from tandem.tools.checkpoint_maker import make_model
 
     n, max_tokens = (2, 32) if quick else (8, 128)
     cases = []
@@ -216,7 +216,7 @@ def corpus_prompts(n: int) -> list[str]:
 def corpus_snippets(n: int, length: int) -> list[str]:
     """``n`` pieces of the training corpus's held-out tail (the last standard-library
     sources in corpus order, which the trained models never trained on), evenly spaced."""
-    from engine.checkpoint_tokenizer import corpus_files, corpus_texts
+    from tandem.tools.checkpoint_tokenizer import corpus_files, corpus_texts
 
     files = corpus_files(None)
     text = "\n".join(corpus_texts(files[-HELD_OUT_FILES:]))

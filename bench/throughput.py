@@ -28,8 +28,8 @@ from pathlib import Path
 if __package__ in (None, ""):  # run as a script: make the `bench` package importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench._runner import EngineLimits, RunnerJob, RunnerResult
-from bench.workloads import WORKLOADS, TokenPool, WorkloadSpec, make_probe, make_requests
+from tandem.bench._runner import EngineLimits, RunnerJob, RunnerResult
+from tandem.bench.workloads import WORKLOADS, TokenPool, WorkloadSpec, make_probe, make_requests
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 SYSTEMS = ("tandem", "hf", "vllm")

@@ -5,17 +5,17 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 
-from decode_worker.service import DecodeService
-from engine.async_engine import AsyncEngine
-from engine.config import EngineConfig
-from engine.llm_engine import LLMEngine
-from kvtransfer.layout import KVLayout
-from kvtransfer.receiver import KVReceiver
-from protos import worker_pb2, worker_pb2_grpc
-from tandem.kv_event_publisher import KVEventPublisher
-from tandem.registry import WorkerCapacity, WorkerInfo, WorkerRole
-from tandem.worker_host import WorkerOptions, host_worker
-from tandem.worker_load import BusyMeter, worker_load
+from tandem.common.kv_events.publisher import KVEventPublisher
+from tandem.common.registry import WorkerCapacity, WorkerInfo, WorkerRole
+from tandem.common.worker_host import WorkerOptions, host_worker
+from tandem.common.worker_load import BusyMeter, worker_load
+from tandem.decode_worker.service import DecodeService
+from tandem.engine.async_engine import AsyncEngine
+from tandem.engine.config import EngineConfig
+from tandem.engine.llm_engine import LLMEngine
+from tandem.kvtransfer.layout import KVLayout
+from tandem.kvtransfer.receiver import KVReceiver
+from tandem.protos import worker_pb2, worker_pb2_grpc
 
 
 async def run(options: WorkerOptions, stop: asyncio.Event | None = None) -> None:

@@ -18,17 +18,17 @@ from dataclasses import dataclass
 
 import grpc
 
-from engine.async_engine import AsyncEngine
-from engine.request import PrefillMode
-from engine.scheduler import KVPull
-from kvtransfer.blocks import unpack_blocks
-from kvtransfer.errors import KVPullFailed, LeaseCallFailed
-from kvtransfer.receiver import KVReceiver
-from protos import worker_pb2, worker_pb2_grpc
-from tandem.kv_event_publisher import KVEventPublisher
-from tandem.kv_event_wire import snapshot_to_proto
-from tandem.wire import FINISH_REASON_TO_PROTO, logprobs_to_proto, sampling_from_proto
-from tandem.worker_load import worker_status
+from tandem.common.kv_events.publisher import KVEventPublisher
+from tandem.common.kv_events.wire import snapshot_to_proto
+from tandem.common.wire import FINISH_REASON_TO_PROTO, logprobs_to_proto, sampling_from_proto
+from tandem.common.worker_load import worker_status
+from tandem.engine.async_engine import AsyncEngine
+from tandem.engine.request import PrefillMode
+from tandem.engine.scheduler import KVPull
+from tandem.kvtransfer.blocks import unpack_blocks
+from tandem.kvtransfer.errors import KVPullFailed, LeaseCallFailed
+from tandem.kvtransfer.receiver import KVReceiver
+from tandem.protos import worker_pb2, worker_pb2_grpc
 
 log = logging.getLogger(__name__)
 

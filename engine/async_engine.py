@@ -17,11 +17,11 @@ import threading
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import TypeVar
 
-from engine.llm_engine import LLMEngine
-from engine.outputs import EngineLoad, RequestDelta
-from engine.request import PrefillMode
-from engine.scheduler import KVPull
-from tandem.sampling_params import SamplingParams
+from tandem.common.sampling_params import SamplingParams
+from tandem.engine.llm_engine import LLMEngine
+from tandem.engine.outputs import EngineLoad, RequestDelta
+from tandem.engine.request import PrefillMode
+from tandem.engine.scheduler import KVPull
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")

@@ -12,8 +12,8 @@ from __future__ import annotations
 from collections import OrderedDict
 from dataclasses import dataclass
 
-from tandem.hashing import BlockHash
-from tandem.kv_events import BlocksEvicted, BlocksStored, CacheCleared, KVCacheEvent
+from tandem.common.hashing import BlockHash
+from tandem.common.kv_events.events import BlocksEvicted, BlocksStored, CacheCleared, KVCacheEvent
 
 
 @dataclass(eq=False)

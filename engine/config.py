@@ -7,11 +7,11 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.attention.base import AttentionBackendKind, select_backend_kind
-from engine.attention.flash import FLASH_BLOCK_SIZE_MULTIPLE
-from engine.layers.linear import LinearBackend, select_linear_backend
-from tandem.model_config import ModelConfig
-from tandem.sampling_params import MAX_SPECULATIVE_TOKENS, SpecMethod
+from tandem.common.model_config import ModelConfig
+from tandem.common.sampling_params import MAX_SPECULATIVE_TOKENS, SpecMethod
+from tandem.engine.attention.base import AttentionBackendKind, select_backend_kind
+from tandem.engine.attention.flash import FLASH_BLOCK_SIZE_MULTIPLE
+from tandem.engine.layers.linear import LinearBackend, select_linear_backend
 
 DEFAULT_BLOCK_SIZE = 16
 DEFAULT_CPU_KV_CACHE_GB = 4.0

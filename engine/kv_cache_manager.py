@@ -9,9 +9,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from engine.block_pool import Block, BlockPool
-from engine.request import Request
-from tandem.hashing import BlockHash, hash_blocks
+from tandem.common.hashing import BlockHash, hash_blocks
+from tandem.engine.block_pool import Block, BlockPool
+from tandem.engine.request import Request
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,6 @@
 """The offline API, vLLM-style::
 
-from engine import LLM, SamplingParams
+from tandem.engine import LLM, SamplingParams
 llm = LLM("path/to/checkpoint", dtype="float32")
 outputs = llm.generate(["Hello", [1, 2, 3]], SamplingParams(temperature=0, max_tokens=32))
 print(outputs[0].text, outputs[0].token_ids, outputs[0].finish_reason)
@@ -11,11 +11,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from engine.config import EngineConfig
-from engine.llm_engine import LLMEngine
-from engine.outputs import RequestOutput
-from engine.request import Request
-from tandem.sampling_params import SamplingParams
+from tandem.common.sampling_params import SamplingParams
+from tandem.engine.config import EngineConfig
+from tandem.engine.llm_engine import LLMEngine
+from tandem.engine.outputs import RequestOutput
+from tandem.engine.request import Request
 
 Prompt = str | list[int]
 

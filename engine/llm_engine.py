@@ -15,20 +15,20 @@ from dataclasses import replace
 
 import torch
 
-from engine.block_pool import BlockPool
-from engine.config import EngineConfig, EngineRuntime, num_kv_blocks, resolve_runtime
-from engine.kv_cache_manager import KVCacheManager
-from engine.model_runner import KVCacheLayout, ModelRunner
-from engine.outputs import EngineLoad, KVUsage, RequestDelta
-from engine.request import FinishReason, PrefillMode, Request, RequestStatus
-from engine.sampler import TokenLogprobs
-from engine.scheduler import KVPull, Scheduler, SchedulerConfig, StepUpdate
-from engine.spec_decode.build import build_speculator
-from tandem.kv_events import KVCacheEvent
-from tandem.model_config import ModelConfig
-from tandem.sampling_params import SamplingParams
-from tandem.text_stream import TextStream
-from tandem.tokenizer import Tokenizer
+from tandem.common.kv_events.events import KVCacheEvent
+from tandem.common.model_config import ModelConfig
+from tandem.common.sampling_params import SamplingParams
+from tandem.common.text_stream import TextStream
+from tandem.common.tokenizer import Tokenizer
+from tandem.engine.block_pool import BlockPool
+from tandem.engine.config import EngineConfig, EngineRuntime, num_kv_blocks, resolve_runtime
+from tandem.engine.kv_cache_manager import KVCacheManager
+from tandem.engine.model_runner import KVCacheLayout, ModelRunner
+from tandem.engine.outputs import EngineLoad, KVUsage, RequestDelta
+from tandem.engine.request import FinishReason, PrefillMode, Request, RequestStatus
+from tandem.engine.sampler import TokenLogprobs
+from tandem.engine.scheduler import KVPull, Scheduler, SchedulerConfig, StepUpdate
+from tandem.engine.spec_decode.build import build_speculator
 
 KVEventCallback = Callable[[list[KVCacheEvent]], None]
 

@@ -15,8 +15,8 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
-from engine.models import model_class
-from tandem.model_config import ModelConfig
+from tandem.common.model_config import ModelConfig
+from tandem.engine.models import model_class
 
 
 def iter_checkpoint_tensors(model_dir: str | Path) -> Iterator[tuple[str, torch.Tensor]]:

@@ -13,14 +13,14 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from engine.attention.base import AttentionBackendKind, make_backend
-from engine.attention.metadata import AttentionMetadata
-from engine.layers.linear import LinearBackend, pack_linear_layers
-from engine.loader import load_model
-from engine.sampler import RowGroup, Sampler, SamplingRow, TokenLogprobs
-from engine.scheduler import ScheduledChunk, SchedulerOutput
-from engine.stopping import banned_tokens
-from tandem.model_config import ModelConfig
+from tandem.common.model_config import ModelConfig
+from tandem.engine.attention.base import AttentionBackendKind, make_backend
+from tandem.engine.attention.metadata import AttentionMetadata
+from tandem.engine.layers.linear import LinearBackend, pack_linear_layers
+from tandem.engine.loader import load_model
+from tandem.engine.sampler import RowGroup, Sampler, SamplingRow, TokenLogprobs
+from tandem.engine.scheduler import ScheduledChunk, SchedulerOutput
+from tandem.engine.stopping import banned_tokens
 
 
 @dataclass(frozen=True)

@@ -5,10 +5,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from engine.sampler import TokenLogprobs
+from tandem.engine.sampler import TokenLogprobs
 
 if TYPE_CHECKING:
-    from engine.spec_decode.speculator import SpecDecodeStats
+    from tandem.engine.spec_decode.speculator import SpecDecodeStats
 
 
 @dataclass(frozen=True)

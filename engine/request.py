@@ -12,7 +12,7 @@ import enum
 import time
 from dataclasses import dataclass, field
 
-from tandem.sampling_params import SamplingParams
+from tandem.common.sampling_params import SamplingParams
 
 
 class RequestStatus(enum.Enum):

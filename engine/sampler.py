@@ -17,8 +17,8 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.spec_decode.rejection import verify_greedy, verify_sampled
-from tandem.sampling_params import SamplingParams
+from tandem.common.sampling_params import SamplingParams
+from tandem.engine.spec_decode.rejection import verify_greedy, verify_sampled
 
 
 @dataclass(frozen=True)

@@ -28,9 +28,9 @@ import bisect
 from collections.abc import Collection
 from dataclasses import dataclass, field
 
-from engine.kv_cache_manager import KVCacheManager
-from engine.request import FinishReason, PrefillMode, Request, RequestStatus
-from engine.stopping import check_token_stop
+from tandem.engine.kv_cache_manager import KVCacheManager
+from tandem.engine.request import FinishReason, PrefillMode, Request, RequestStatus
+from tandem.engine.stopping import check_token_stop
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,4 @@
-"""When a request is done, at the token level (stop strings live in ``tandem.text_stream``).
+"""When a request is done, at the token level (stop strings live in ``tandem.common.text_stream``).
 
 Torch-free. The finish reasons match vLLM's strings: ``stop`` for EOS / stop tokens /
 stop strings, ``length`` for ``max_tokens`` or a full context.
@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from collections.abc import Collection
 
-from engine.request import FinishReason, Request
-from tandem.sampling_params import SamplingParams
+from tandem.common.sampling_params import SamplingParams
+from tandem.engine.request import FinishReason, Request
 
 
 def check_token_stop(

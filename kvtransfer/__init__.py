@@ -12,6 +12,6 @@ Roles and files:
 - ``testing``: a prefill-side server on random KV in a child process, for tests and
   benchmarks.
 
-Nothing is imported here, so ``kvtransfer.leases`` and ``kvtransfer.errors`` stay
+Nothing is imported here, so ``tandem.kvtransfer.leases`` and ``tandem.kvtransfer.errors`` stay
 importable without torch.
 """

@@ -7,8 +7,8 @@ from typing import ClassVar
 
 import torch
 
-from kvtransfer.errors import FieldMismatch, IncompatibleKV
-from protos import PROTOCOL_VERSION, kv_transfer_pb2
+from tandem.kvtransfer.errors import FieldMismatch, IncompatibleKV
+from tandem.protos import PROTOCOL_VERSION, kv_transfer_pb2
 
 
 def dtype_name(dtype: torch.dtype) -> str:

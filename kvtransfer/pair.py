@@ -40,8 +40,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from kvtransfer.deadline import Deadline
-from kvtransfer.errors import PairBroken, PairTimeout
+from tandem.kvtransfer.deadline import Deadline
+from tandem.kvtransfer.errors import PairBroken, PairTimeout
 
 FIRST_TAG = 1
 """Tags for ``send``/``recv`` run from ``FIRST_TAG`` to ``LAST_TAG`` (gloo tags are C ints)."""

@@ -21,16 +21,16 @@ from types import MappingProxyType
 import grpc
 import torch
 
-from kvtransfer.deadline import Deadline
-from kvtransfer.errors import (
+from tandem.kvtransfer.deadline import Deadline
+from tandem.kvtransfer.errors import (
     KVPullFailed,
     LeaseCallFailed,
     PairBroken,
     PairTimeout,
     PullFailure,
 )
-from kvtransfer.layout import KVLayout
-from kvtransfer.pair import (
+from tandem.kvtransfer.layout import KVLayout
+from tandem.kvtransfer.pair import (
     FIRST_TAG,
     Backend,
     PairGroup,
@@ -41,7 +41,7 @@ from kvtransfer.pair import (
     next_tag,
     open_store,
 )
-from protos import kv_transfer_pb2, kv_transfer_pb2_grpc
+from tandem.protos import kv_transfer_pb2, kv_transfer_pb2_grpc
 
 _FAILURE_OF_STATUS = MappingProxyType(
     {

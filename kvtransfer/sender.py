@@ -27,12 +27,12 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from kvtransfer.blocks import pack_blocks
-from kvtransfer.deadline import Deadline
-from kvtransfer.errors import PairBroken, PairTimeout, UnknownPair
-from kvtransfer.layout import KVLayout, check_compatible
-from kvtransfer.pair import Backend, PairGroup, PairKey, Role, open_store
-from protos import kv_transfer_pb2
+from tandem.kvtransfer.blocks import pack_blocks
+from tandem.kvtransfer.deadline import Deadline
+from tandem.kvtransfer.errors import PairBroken, PairTimeout, UnknownPair
+from tandem.kvtransfer.layout import KVLayout, check_compatible
+from tandem.kvtransfer.pair import Backend, PairGroup, PairKey, Role, open_store
+from tandem.protos import kv_transfer_pb2
 
 
 @dataclass(frozen=True)

@@ -18,11 +18,11 @@ from collections.abc import Callable, Sequence
 
 import grpc
 
-from kvtransfer.errors import IncompatibleKV, PairBroken, PairTimeout, UnknownPair
-from kvtransfer.leases import EndedLease, LeaseTable
-from kvtransfer.pair import FIRST_TAG, LAST_TAG
-from kvtransfer.sender import KVSender
-from protos import kv_transfer_pb2, kv_transfer_pb2_grpc
+from tandem.kvtransfer.errors import IncompatibleKV, PairBroken, PairTimeout, UnknownPair
+from tandem.kvtransfer.leases import EndedLease, LeaseTable
+from tandem.kvtransfer.pair import FIRST_TAG, LAST_TAG
+from tandem.kvtransfer.sender import KVSender
+from tandem.protos import kv_transfer_pb2, kv_transfer_pb2_grpc
 
 
 class KVTransferServicer(kv_transfer_pb2_grpc.KVTransferServicer):

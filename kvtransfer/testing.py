@@ -20,11 +20,11 @@ from multiprocessing.connection import Connection
 import grpc
 import torch
 
-from kvtransfer.layout import KVLayout
-from kvtransfer.leases import LeaseTable
-from kvtransfer.sender import KVSender
-from kvtransfer.service import KVTransferServicer
-from protos import kv_transfer_pb2, kv_transfer_pb2_grpc
+from tandem.kvtransfer.layout import KVLayout
+from tandem.kvtransfer.leases import LeaseTable
+from tandem.kvtransfer.sender import KVSender
+from tandem.kvtransfer.service import KVTransferServicer
+from tandem.protos import kv_transfer_pb2, kv_transfer_pb2_grpc
 
 
 @dataclass(frozen=True)

@@ -5,19 +5,19 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 
-from engine.async_engine import AsyncEngine
-from engine.config import EngineConfig
-from engine.llm_engine import LLMEngine
-from kvtransfer.layout import KVLayout
-from kvtransfer.leases import LeaseTable
-from kvtransfer.sender import KVSender
-from kvtransfer.service import KVTransferServicer
-from prefill_worker.service import PrefillService
-from protos import kv_transfer_pb2, kv_transfer_pb2_grpc, worker_pb2, worker_pb2_grpc
-from tandem.kv_event_publisher import KVEventPublisher
-from tandem.registry import WorkerCapacity, WorkerInfo, WorkerRole
-from tandem.worker_host import WorkerOptions, host_worker
-from tandem.worker_load import BusyMeter, worker_load
+from tandem.common.kv_events.publisher import KVEventPublisher
+from tandem.common.registry import WorkerCapacity, WorkerInfo, WorkerRole
+from tandem.common.worker_host import WorkerOptions, host_worker
+from tandem.common.worker_load import BusyMeter, worker_load
+from tandem.engine.async_engine import AsyncEngine
+from tandem.engine.config import EngineConfig
+from tandem.engine.llm_engine import LLMEngine
+from tandem.kvtransfer.layout import KVLayout
+from tandem.kvtransfer.leases import LeaseTable
+from tandem.kvtransfer.sender import KVSender
+from tandem.kvtransfer.service import KVTransferServicer
+from tandem.prefill_worker.service import PrefillService
+from tandem.protos import kv_transfer_pb2, kv_transfer_pb2_grpc, worker_pb2, worker_pb2_grpc
 
 
 async def run(options: WorkerOptions, stop: asyncio.Event | None = None) -> None:

@@ -15,17 +15,17 @@ import logging
 
 import grpc
 
-from engine.async_engine import AsyncEngine
-from engine.outputs import RequestDelta
-from engine.request import PrefillMode
-from kvtransfer.leases import EndedLease, LeaseTable
-from kvtransfer.sender import KVSender
-from protos import worker_pb2, worker_pb2_grpc
-from tandem.kv_event_publisher import KVEventPublisher
-from tandem.kv_event_wire import snapshot_to_proto
-from tandem.sampling_params import SamplingParams
-from tandem.wire import FINISH_REASON_TO_PROTO, logprobs_to_proto, sampling_from_proto
-from tandem.worker_load import worker_status
+from tandem.common.kv_events.publisher import KVEventPublisher
+from tandem.common.kv_events.wire import snapshot_to_proto
+from tandem.common.sampling_params import SamplingParams
+from tandem.common.wire import FINISH_REASON_TO_PROTO, logprobs_to_proto, sampling_from_proto
+from tandem.common.worker_load import worker_status
+from tandem.engine.async_engine import AsyncEngine
+from tandem.engine.outputs import RequestDelta
+from tandem.engine.request import PrefillMode
+from tandem.kvtransfer.leases import EndedLease, LeaseTable
+from tandem.kvtransfer.sender import KVSender
+from tandem.protos import worker_pb2, worker_pb2_grpc
 
 log = logging.getLogger(__name__)
 

@@ -3,7 +3,7 @@
 import grpc
 import warnings
 
-from protos import kv_transfer_pb2 as protos_dot_kv__transfer__pb2
+from tandem.protos import kv_transfer_pb2 as tandem_dot_protos_dot_kv__transfer__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__
@@ -18,7 +18,7 @@ except ImportError:
 if _version_not_supported:
     raise RuntimeError(
         f'The grpc package installed is at version {GRPC_VERSION},'
-        + ' but the generated code in protos/kv_transfer_pb2_grpc.py depends on'
+        + ' but the generated code in tandem/protos/kv_transfer_pb2_grpc.py depends on'
         + f' grpcio>={GRPC_GENERATED_VERSION}.'
         + f' Please upgrade your grpc module to grpcio>={GRPC_GENERATED_VERSION}'
         + f' or downgrade your generated code using grpcio-tools<={GRPC_VERSION}.'
@@ -36,23 +36,23 @@ class KVTransferStub:
         """
         self.Handshake = channel.unary_unary(
                 '/tandem.v1.KVTransfer/Handshake',
-                request_serializer=protos_dot_kv__transfer__pb2.HandshakeRequest.SerializeToString,
-                response_deserializer=protos_dot_kv__transfer__pb2.HandshakeResponse.FromString,
+                request_serializer=tandem_dot_protos_dot_kv__transfer__pb2.HandshakeRequest.SerializeToString,
+                response_deserializer=tandem_dot_protos_dot_kv__transfer__pb2.HandshakeResponse.FromString,
                 _registered_method=True)
         self.PullBlocks = channel.unary_unary(
                 '/tandem.v1.KVTransfer/PullBlocks',
-                request_serializer=protos_dot_kv__transfer__pb2.PullBlocksRequest.SerializeToString,
-                response_deserializer=protos_dot_kv__transfer__pb2.PullBlocksResponse.FromString,
+                request_serializer=tandem_dot_protos_dot_kv__transfer__pb2.PullBlocksRequest.SerializeToString,
+                response_deserializer=tandem_dot_protos_dot_kv__transfer__pb2.PullBlocksResponse.FromString,
                 _registered_method=True)
         self.RenewLease = channel.unary_unary(
                 '/tandem.v1.KVTransfer/RenewLease',
-                request_serializer=protos_dot_kv__transfer__pb2.LeaseRequest.SerializeToString,
-                response_deserializer=protos_dot_kv__transfer__pb2.LeaseResponse.FromString,
+                request_serializer=tandem_dot_protos_dot_kv__transfer__pb2.LeaseRequest.SerializeToString,
+                response_deserializer=tandem_dot_protos_dot_kv__transfer__pb2.LeaseResponse.FromString,
                 _registered_method=True)
         self.ReleaseLease = channel.unary_unary(
                 '/tandem.v1.KVTransfer/ReleaseLease',
-                request_serializer=protos_dot_kv__transfer__pb2.LeaseRequest.SerializeToString,
-                response_deserializer=protos_dot_kv__transfer__pb2.LeaseResponse.FromString,
+                request_serializer=tandem_dot_protos_dot_kv__transfer__pb2.LeaseRequest.SerializeToString,
+                response_deserializer=tandem_dot_protos_dot_kv__transfer__pb2.LeaseResponse.FromString,
                 _registered_method=True)
 
 
@@ -92,23 +92,23 @@ def add_KVTransferServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'Handshake': grpc.unary_unary_rpc_method_handler(
                     servicer.Handshake,
-                    request_deserializer=protos_dot_kv__transfer__pb2.HandshakeRequest.FromString,
-                    response_serializer=protos_dot_kv__transfer__pb2.HandshakeResponse.SerializeToString,
+                    request_deserializer=tandem_dot_protos_dot_kv__transfer__pb2.HandshakeRequest.FromString,
+                    response_serializer=tandem_dot_protos_dot_kv__transfer__pb2.HandshakeResponse.SerializeToString,
             ),
             'PullBlocks': grpc.unary_unary_rpc_method_handler(
                     servicer.PullBlocks,
-                    request_deserializer=protos_dot_kv__transfer__pb2.PullBlocksRequest.FromString,
-                    response_serializer=protos_dot_kv__transfer__pb2.PullBlocksResponse.SerializeToString,
+                    request_deserializer=tandem_dot_protos_dot_kv__transfer__pb2.PullBlocksRequest.FromString,
+                    response_serializer=tandem_dot_protos_dot_kv__transfer__pb2.PullBlocksResponse.SerializeToString,
             ),
             'RenewLease': grpc.unary_unary_rpc_method_handler(
                     servicer.RenewLease,
-                    request_deserializer=protos_dot_kv__transfer__pb2.LeaseRequest.FromString,
-                    response_serializer=protos_dot_kv__transfer__pb2.LeaseResponse.SerializeToString,
+                    request_deserializer=tandem_dot_protos_dot_kv__transfer__pb2.LeaseRequest.FromString,
+                    response_serializer=tandem_dot_protos_dot_kv__transfer__pb2.LeaseResponse.SerializeToString,
             ),
             'ReleaseLease': grpc.unary_unary_rpc_method_handler(
                     servicer.ReleaseLease,
-                    request_deserializer=protos_dot_kv__transfer__pb2.LeaseRequest.FromString,
-                    response_serializer=protos_dot_kv__transfer__pb2.LeaseResponse.SerializeToString,
+                    request_deserializer=tandem_dot_protos_dot_kv__transfer__pb2.LeaseRequest.FromString,
+                    response_serializer=tandem_dot_protos_dot_kv__transfer__pb2.LeaseResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -136,8 +136,8 @@ class KVTransfer:
             request,
             target,
             '/tandem.v1.KVTransfer/Handshake',
-            protos_dot_kv__transfer__pb2.HandshakeRequest.SerializeToString,
-            protos_dot_kv__transfer__pb2.HandshakeResponse.FromString,
+            tandem_dot_protos_dot_kv__transfer__pb2.HandshakeRequest.SerializeToString,
+            tandem_dot_protos_dot_kv__transfer__pb2.HandshakeResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -163,8 +163,8 @@ class KVTransfer:
             request,
             target,
             '/tandem.v1.KVTransfer/PullBlocks',
-            protos_dot_kv__transfer__pb2.PullBlocksRequest.SerializeToString,
-            protos_dot_kv__transfer__pb2.PullBlocksResponse.FromString,
+            tandem_dot_protos_dot_kv__transfer__pb2.PullBlocksRequest.SerializeToString,
+            tandem_dot_protos_dot_kv__transfer__pb2.PullBlocksResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -190,8 +190,8 @@ class KVTransfer:
             request,
             target,
             '/tandem.v1.KVTransfer/RenewLease',
-            protos_dot_kv__transfer__pb2.LeaseRequest.SerializeToString,
-            protos_dot_kv__transfer__pb2.LeaseResponse.FromString,
+            tandem_dot_protos_dot_kv__transfer__pb2.LeaseRequest.SerializeToString,
+            tandem_dot_protos_dot_kv__transfer__pb2.LeaseResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -217,8 +217,8 @@ class KVTransfer:
             request,
             target,
             '/tandem.v1.KVTransfer/ReleaseLease',
-            protos_dot_kv__transfer__pb2.LeaseRequest.SerializeToString,
-            protos_dot_kv__transfer__pb2.LeaseResponse.FromString,
+            tandem_dot_protos_dot_kv__transfer__pb2.LeaseRequest.SerializeToString,
+            tandem_dot_protos_dot_kv__transfer__pb2.LeaseResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -3,7 +3,7 @@
 import grpc
 import warnings
 
-from protos import worker_pb2 as protos_dot_worker__pb2
+from tandem.protos import worker_pb2 as tandem_dot_protos_dot_worker__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__
@@ -18,7 +18,7 @@ except ImportError:
 if _version_not_supported:
     raise RuntimeError(
         f'The grpc package installed is at version {GRPC_VERSION},'
-        + ' but the generated code in protos/worker_pb2_grpc.py depends on'
+        + ' but the generated code in tandem/protos/worker_pb2_grpc.py depends on'
         + f' grpcio>={GRPC_GENERATED_VERSION}.'
         + f' Please upgrade your grpc module to grpcio>={GRPC_GENERATED_VERSION}'
         + f' or downgrade your generated code using grpcio-tools<={GRPC_VERSION}.'
@@ -36,23 +36,23 @@ class PrefillWorkerStub:
         """
         self.Prefill = channel.unary_unary(
                 '/tandem.v1.PrefillWorker/Prefill',
-                request_serializer=protos_dot_worker__pb2.PrefillRequest.SerializeToString,
-                response_deserializer=protos_dot_worker__pb2.PrefillResponse.FromString,
+                request_serializer=tandem_dot_protos_dot_worker__pb2.PrefillRequest.SerializeToString,
+                response_deserializer=tandem_dot_protos_dot_worker__pb2.PrefillResponse.FromString,
                 _registered_method=True)
         self.Abort = channel.unary_unary(
                 '/tandem.v1.PrefillWorker/Abort',
-                request_serializer=protos_dot_worker__pb2.AbortRequest.SerializeToString,
-                response_deserializer=protos_dot_worker__pb2.AbortResponse.FromString,
+                request_serializer=tandem_dot_protos_dot_worker__pb2.AbortRequest.SerializeToString,
+                response_deserializer=tandem_dot_protos_dot_worker__pb2.AbortResponse.FromString,
                 _registered_method=True)
         self.GetStatus = channel.unary_unary(
                 '/tandem.v1.PrefillWorker/GetStatus',
-                request_serializer=protos_dot_worker__pb2.StatusRequest.SerializeToString,
-                response_deserializer=protos_dot_worker__pb2.WorkerStatus.FromString,
+                request_serializer=tandem_dot_protos_dot_worker__pb2.StatusRequest.SerializeToString,
+                response_deserializer=tandem_dot_protos_dot_worker__pb2.WorkerStatus.FromString,
                 _registered_method=True)
         self.ListCachedBlocks = channel.unary_unary(
                 '/tandem.v1.PrefillWorker/ListCachedBlocks',
-                request_serializer=protos_dot_worker__pb2.ListCachedBlocksRequest.SerializeToString,
-                response_deserializer=protos_dot_worker__pb2.CachedBlocks.FromString,
+                request_serializer=tandem_dot_protos_dot_worker__pb2.ListCachedBlocksRequest.SerializeToString,
+                response_deserializer=tandem_dot_protos_dot_worker__pb2.CachedBlocks.FromString,
                 _registered_method=True)
 
 
@@ -91,23 +91,23 @@ def add_PrefillWorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'Prefill': grpc.unary_unary_rpc_method_handler(
                     servicer.Prefill,
-                    request_deserializer=protos_dot_worker__pb2.PrefillRequest.FromString,
-                    response_serializer=protos_dot_worker__pb2.PrefillResponse.SerializeToString,
+                    request_deserializer=tandem_dot_protos_dot_worker__pb2.PrefillRequest.FromString,
+                    response_serializer=tandem_dot_protos_dot_worker__pb2.PrefillResponse.SerializeToString,
             ),
             'Abort': grpc.unary_unary_rpc_method_handler(
                     servicer.Abort,
-                    request_deserializer=protos_dot_worker__pb2.AbortRequest.FromString,
-                    response_serializer=protos_dot_worker__pb2.AbortResponse.SerializeToString,
+                    request_deserializer=tandem_dot_protos_dot_worker__pb2.AbortRequest.FromString,
+                    response_serializer=tandem_dot_protos_dot_worker__pb2.AbortResponse.SerializeToString,
             ),
             'GetStatus': grpc.unary_unary_rpc_method_handler(
                     servicer.GetStatus,
-                    request_deserializer=protos_dot_worker__pb2.StatusRequest.FromString,
-                    response_serializer=protos_dot_worker__pb2.WorkerStatus.SerializeToString,
+                    request_deserializer=tandem_dot_protos_dot_worker__pb2.StatusRequest.FromString,
+                    response_serializer=tandem_dot_protos_dot_worker__pb2.WorkerStatus.SerializeToString,
             ),
             'ListCachedBlocks': grpc.unary_unary_rpc_method_handler(
                     servicer.ListCachedBlocks,
-                    request_deserializer=protos_dot_worker__pb2.ListCachedBlocksRequest.FromString,
-                    response_serializer=protos_dot_worker__pb2.CachedBlocks.SerializeToString,
+                    request_deserializer=tandem_dot_protos_dot_worker__pb2.ListCachedBlocksRequest.FromString,
+                    response_serializer=tandem_dot_protos_dot_worker__pb2.CachedBlocks.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -135,8 +135,8 @@ class PrefillWorker:
             request,
             target,
             '/tandem.v1.PrefillWorker/Prefill',
-            protos_dot_worker__pb2.PrefillRequest.SerializeToString,
-            protos_dot_worker__pb2.PrefillResponse.FromString,
+            tandem_dot_protos_dot_worker__pb2.PrefillRequest.SerializeToString,
+            tandem_dot_protos_dot_worker__pb2.PrefillResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -162,8 +162,8 @@ class PrefillWorker:
             request,
             target,
             '/tandem.v1.PrefillWorker/Abort',
-            protos_dot_worker__pb2.AbortRequest.SerializeToString,
-            protos_dot_worker__pb2.AbortResponse.FromString,
+            tandem_dot_protos_dot_worker__pb2.AbortRequest.SerializeToString,
+            tandem_dot_protos_dot_worker__pb2.AbortResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -189,8 +189,8 @@ class PrefillWorker:
             request,
             target,
             '/tandem.v1.PrefillWorker/GetStatus',
-            protos_dot_worker__pb2.StatusRequest.SerializeToString,
-            protos_dot_worker__pb2.WorkerStatus.FromString,
+            tandem_dot_protos_dot_worker__pb2.StatusRequest.SerializeToString,
+            tandem_dot_protos_dot_worker__pb2.WorkerStatus.FromString,
             options,
             channel_credentials,
             insecure,
@@ -216,8 +216,8 @@ class PrefillWorker:
             request,
             target,
             '/tandem.v1.PrefillWorker/ListCachedBlocks',
-            protos_dot_worker__pb2.ListCachedBlocksRequest.SerializeToString,
-            protos_dot_worker__pb2.CachedBlocks.FromString,
+            tandem_dot_protos_dot_worker__pb2.ListCachedBlocksRequest.SerializeToString,
+            tandem_dot_protos_dot_worker__pb2.CachedBlocks.FromString,
             options,
             channel_credentials,
             insecure,
@@ -240,23 +240,23 @@ class DecodeWorkerStub:
         """
         self.Decode = channel.unary_stream(
                 '/tandem.v1.DecodeWorker/Decode',
-                request_serializer=protos_dot_worker__pb2.DecodeRequest.SerializeToString,
-                response_deserializer=protos_dot_worker__pb2.DecodeResponse.FromString,
+                request_serializer=tandem_dot_protos_dot_worker__pb2.DecodeRequest.SerializeToString,
+                response_deserializer=tandem_dot_protos_dot_worker__pb2.DecodeResponse.FromString,
                 _registered_method=True)
         self.Abort = channel.unary_unary(
                 '/tandem.v1.DecodeWorker/Abort',
-                request_serializer=protos_dot_worker__pb2.AbortRequest.SerializeToString,
-                response_deserializer=protos_dot_worker__pb2.AbortResponse.FromString,
+                request_serializer=tandem_dot_protos_dot_worker__pb2.AbortRequest.SerializeToString,
+                response_deserializer=tandem_dot_protos_dot_worker__pb2.AbortResponse.FromString,
                 _registered_method=True)
         self.GetStatus = channel.unary_unary(
                 '/tandem.v1.DecodeWorker/GetStatus',
-                request_serializer=protos_dot_worker__pb2.StatusRequest.SerializeToString,
-                response_deserializer=protos_dot_worker__pb2.WorkerStatus.FromString,
+                request_serializer=tandem_dot_protos_dot_worker__pb2.StatusRequest.SerializeToString,
+                response_deserializer=tandem_dot_protos_dot_worker__pb2.WorkerStatus.FromString,
                 _registered_method=True)
         self.ListCachedBlocks = channel.unary_unary(
                 '/tandem.v1.DecodeWorker/ListCachedBlocks',
-                request_serializer=protos_dot_worker__pb2.ListCachedBlocksRequest.SerializeToString,
-                response_deserializer=protos_dot_worker__pb2.CachedBlocks.FromString,
+                request_serializer=tandem_dot_protos_dot_worker__pb2.ListCachedBlocksRequest.SerializeToString,
+                response_deserializer=tandem_dot_protos_dot_worker__pb2.CachedBlocks.FromString,
                 _registered_method=True)
 
 
@@ -294,23 +294,23 @@ def add_DecodeWorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'Decode': grpc.unary_stream_rpc_method_handler(
                     servicer.Decode,
-                    request_deserializer=protos_dot_worker__pb2.DecodeRequest.FromString,
-                    response_serializer=protos_dot_worker__pb2.DecodeResponse.SerializeToString,
+                    request_deserializer=tandem_dot_protos_dot_worker__pb2.DecodeRequest.FromString,
+                    response_serializer=tandem_dot_protos_dot_worker__pb2.DecodeResponse.SerializeToString,
             ),
             'Abort': grpc.unary_unary_rpc_method_handler(
                     servicer.Abort,
-                    request_deserializer=protos_dot_worker__pb2.AbortRequest.FromString,
-                    response_serializer=protos_dot_worker__pb2.AbortResponse.SerializeToString,
+                    request_deserializer=tandem_dot_protos_dot_worker__pb2.AbortRequest.FromString,
+                    response_serializer=tandem_dot_protos_dot_worker__pb2.AbortResponse.SerializeToString,
             ),
             'GetStatus': grpc.unary_unary_rpc_method_handler(
                     servicer.GetStatus,
-                    request_deserializer=protos_dot_worker__pb2.StatusRequest.FromString,
-                    response_serializer=protos_dot_worker__pb2.WorkerStatus.SerializeToString,
+                    request_deserializer=tandem_dot_protos_dot_worker__pb2.StatusRequest.FromString,
+                    response_serializer=tandem_dot_protos_dot_worker__pb2.WorkerStatus.SerializeToString,
             ),
             'ListCachedBlocks': grpc.unary_unary_rpc_method_handler(
                     servicer.ListCachedBlocks,
-                    request_deserializer=protos_dot_worker__pb2.ListCachedBlocksRequest.FromString,
-                    response_serializer=protos_dot_worker__pb2.CachedBlocks.SerializeToString,
+                    request_deserializer=tandem_dot_protos_dot_worker__pb2.ListCachedBlocksRequest.FromString,
+                    response_serializer=tandem_dot_protos_dot_worker__pb2.CachedBlocks.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -338,8 +338,8 @@ class DecodeWorker:
             request,
             target,
             '/tandem.v1.DecodeWorker/Decode',
-            protos_dot_worker__pb2.DecodeRequest.SerializeToString,
-            protos_dot_worker__pb2.DecodeResponse.FromString,
+            tandem_dot_protos_dot_worker__pb2.DecodeRequest.SerializeToString,
+            tandem_dot_protos_dot_worker__pb2.DecodeResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -365,8 +365,8 @@ class DecodeWorker:
             request,
             target,
             '/tandem.v1.DecodeWorker/Abort',
-            protos_dot_worker__pb2.AbortRequest.SerializeToString,
-            protos_dot_worker__pb2.AbortResponse.FromString,
+            tandem_dot_protos_dot_worker__pb2.AbortRequest.SerializeToString,
+            tandem_dot_protos_dot_worker__pb2.AbortResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -392,8 +392,8 @@ class DecodeWorker:
             request,
             target,
             '/tandem.v1.DecodeWorker/GetStatus',
-            protos_dot_worker__pb2.StatusRequest.SerializeToString,
-            protos_dot_worker__pb2.WorkerStatus.FromString,
+            tandem_dot_protos_dot_worker__pb2.StatusRequest.SerializeToString,
+            tandem_dot_protos_dot_worker__pb2.WorkerStatus.FromString,
             options,
             channel_credentials,
             insecure,
@@ -419,8 +419,8 @@ class DecodeWorker:
             request,
             target,
             '/tandem.v1.DecodeWorker/ListCachedBlocks',
-            protos_dot_worker__pb2.ListCachedBlocksRequest.SerializeToString,
-            protos_dot_worker__pb2.CachedBlocks.FromString,
+            tandem_dot_protos_dot_worker__pb2.ListCachedBlocksRequest.SerializeToString,
+            tandem_dot_protos_dot_worker__pb2.CachedBlocks.FromString,
             options,
             channel_credentials,
             insecure,

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import grpc
 
-from protos import worker_pb2_grpc
-from tandem.grpc_server import MAX_MESSAGE_BYTES
-from tandem.registry import WorkerRecord
+from tandem.common.grpc_server import MAX_MESSAGE_BYTES
+from tandem.common.registry import WorkerRecord
+from tandem.protos import worker_pb2_grpc
 
 CHANNEL_OPTIONS = (
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),

@@ -7,22 +7,22 @@ import contextlib
 import logging
 from dataclasses import dataclass
 
-from protos import generation_pb2, generation_pb2_grpc
-from router.clients import WorkerClients
-from router.inflight import InflightLoad
-from router.kv_event_consumer import KVEventConsumer, grpc_snapshot_fetcher
-from router.kv_indexer import KVIndexer
-from router.metrics import RouterMetrics, render_metrics
-from router.orchestrator import Orchestrator, OrchestratorConfig
-from router.policy import PolicyName, make_policy
-from router.prefix_policy import PrefixCost
-from router.service import GenerationService
-from router.validation import RequestValidator
-from tandem.grpc_server import start_server
-from tandem.metrics_text import serve_metrics
-from tandem.process import stop_on_signals
-from tandem.registry import RegistryWatcher, WorkerRecord, WorkerRole
-from tandem.tokenizer import Tokenizer
+from tandem.common.grpc_server import start_server
+from tandem.common.metrics_text import serve_metrics
+from tandem.common.process import stop_on_signals
+from tandem.common.registry import RegistryWatcher, WorkerRecord, WorkerRole
+from tandem.common.tokenizer import Tokenizer
+from tandem.protos import generation_pb2, generation_pb2_grpc
+from tandem.router.clients import WorkerClients
+from tandem.router.kv_index.consumer import KVEventConsumer, grpc_snapshot_fetcher
+from tandem.router.kv_index.indexer import KVIndexer
+from tandem.router.metrics import RouterMetrics, render_metrics
+from tandem.router.orchestrator import Orchestrator, OrchestratorConfig
+from tandem.router.routing.inflight import InflightLoad
+from tandem.router.routing.policy import PolicyName, make_policy
+from tandem.router.routing.prefix_aware import PrefixCost
+from tandem.router.service import GenerationService
+from tandem.router.validation import RequestValidator
 
 log = logging.getLogger(__name__)
 

@@ -14,10 +14,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from router.inflight import InflightLoad
-from router.kv_indexer import KVIndexer
-from tandem.metrics_text import Histogram, Sample, format_family
-from tandem.registry import RegistryWatcher, WorkerRole
+from tandem.common.metrics_text import Histogram, Sample, format_family
+from tandem.common.registry import RegistryWatcher, WorkerRole
+from tandem.router.kv_index.indexer import KVIndexer
+from tandem.router.routing.inflight import InflightLoad
 
 DECISION_BUCKETS_S = (25e-6, 50e-6, 100e-6, 250e-6, 500e-6, 1e-3, 2.5e-3, 5e-3, 10e-3)
 LAG_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 5.0)

@@ -16,7 +16,7 @@
 Routing: a request's chained block hashes are computed once (with the workers' block
 size, only when a policy reads them); before each pick the KV index is asked which
 workers hold the prompt's prefix, and the pool's reported load is merged with the work
-this router has in flight (``router.inflight``). The policy decides on that snapshot;
+this router has in flight (``tandem.router.routing.inflight``). The policy decides on that snapshot;
 this module records the decision's time, the prefix hits the workers report, and the
 in-flight work until it finishes.
 
@@ -35,17 +35,17 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from protos import common_pb2, worker_pb2
-from router.clients import WorkerClients
-from router.inflight import InflightLoad
-from router.kv_indexer import KVIndexer
-from router.live_pools import LivePools
-from router.metrics import RouterMetrics
-from router.policy import RoutingPolicy, RoutingRequest
-from router.validation import ValidatedRequest
-from tandem.hashing import hash_blocks
-from tandem.registry import RegistryWatcher, WorkerRecord, WorkerRole
-from tandem.wire import FINISH_REASON_FROM_PROTO, sampling_to_proto
+from tandem.common.hashing import hash_blocks
+from tandem.common.registry import RegistryWatcher, WorkerRecord, WorkerRole
+from tandem.common.wire import FINISH_REASON_FROM_PROTO, sampling_to_proto
+from tandem.protos import common_pb2, worker_pb2
+from tandem.router.clients import WorkerClients
+from tandem.router.kv_index.indexer import KVIndexer
+from tandem.router.metrics import RouterMetrics
+from tandem.router.routing.inflight import InflightLoad
+from tandem.router.routing.live_pools import LivePools
+from tandem.router.routing.policy import RoutingPolicy, RoutingRequest
+from tandem.router.validation import ValidatedRequest
 
 log = logging.getLogger(__name__)
 

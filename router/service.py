@@ -16,13 +16,13 @@ from collections.abc import AsyncIterator
 
 import grpc
 
-from protos import generation_pb2, generation_pb2_grpc
-from router.orchestrator import NoWorkerAvailable, Orchestrator, RequestTrace
-from router.validation import InvalidRequest, RequestValidator, ValidatedRequest
-from tandem.registry import WorkerRole
-from tandem.text_stream import TextStream
-from tandem.tokenizer import Tokenizer
-from tandem.wire import FINISH_REASON_TO_PROTO
+from tandem.common.registry import WorkerRole
+from tandem.common.text_stream import TextStream
+from tandem.common.tokenizer import Tokenizer
+from tandem.common.wire import FINISH_REASON_TO_PROTO
+from tandem.protos import generation_pb2, generation_pb2_grpc
+from tandem.router.orchestrator import NoWorkerAvailable, Orchestrator, RequestTrace
+from tandem.router.validation import InvalidRequest, RequestValidator, ValidatedRequest
 
 log = logging.getLogger(__name__)
 

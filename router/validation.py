@@ -9,8 +9,8 @@ Inputs: a text ``prompt`` is encoded with the tokenizer's special tokens (e.g. B
 itself, so the rendering is encoded without adding special tokens again; ``token_ids``
 are taken as they are, checked against the model's vocabulary.
 
-Sampling: ``tandem.wire`` maps the wire's ``SamplingParams`` onto tandem's (the same
-mapping every hop uses; ``tandem.wire.sampling_to_proto`` is its inverse, exact since
+Sampling: ``tandem.common.wire`` maps the wire's ``SamplingParams`` onto tandem's (the same
+mapping every hop uses; ``tandem.common.wire.sampling_to_proto`` is its inverse, exact since
 the floats are doubles); this module adds the checks and the field-naming errors.
 """
 
@@ -22,11 +22,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from protos import common_pb2, generation_pb2
-from tandem.model_config import ModelConfig
-from tandem.sampling_params import SamplingParams
-from tandem.tokenizer import ChatTemplateError, Tokenizer
-from tandem.wire import sampling_from_proto
+from tandem.common.model_config import ModelConfig
+from tandem.common.sampling_params import SamplingParams
+from tandem.common.tokenizer import ChatTemplateError, Tokenizer
+from tandem.common.wire import sampling_from_proto
+from tandem.protos import common_pb2, generation_pb2
 
 # Checked for NaN and infinity, which SamplingParams' range checks let through.
 _FLOAT_FIELDS = tuple(
@@ -189,7 +189,7 @@ class RequestValidator:
 
 
 def validate_sampling(proto: common_pb2.SamplingParams) -> SamplingParams:
-    """Tandem's ``SamplingParams`` for a wire message (``tandem.wire`` does the mapping:
+    """Tandem's ``SamplingParams`` for a wire message (``tandem.common.wire`` does the mapping:
     unset optional fields take the tandem defaults, ``top_k`` unset means no top-k).
 
     Raises ``InvalidRequest`` (field ``sampling.<name>``) for a float that is not

@@ -11,10 +11,10 @@ from pathlib import Path
 
 import grpc
 
-from protos import common_pb2, worker_pb2, worker_pb2_grpc
-from tandem.client import AsyncGenerationClient, build_request
-from tandem.launcher import ClusterSpec, LocalCluster
-from tandem.wire import FINISH_REASON_FROM_PROTO
+from tandem.cli.launcher import ClusterSpec, LocalCluster
+from tandem.common.client import AsyncGenerationClient, build_request
+from tandem.common.wire import FINISH_REASON_FROM_PROTO
+from tandem.protos import common_pb2, worker_pb2, worker_pb2_grpc
 
 
 @dataclass(frozen=True)

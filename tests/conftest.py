@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import redis
 
-from tandem.redis_server import resolve_redis_url
+from tandem.common.redis_server import resolve_redis_url
 
 
 @pytest.fixture(scope="session")
@@ -49,7 +49,7 @@ def make_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., P
     def make(arch: str = "llama", size: str = "tiny", **kwargs: object) -> Path:
         key = (arch, size, *sorted(kwargs.items()))
         if key not in made:
-            from engine.checkpoint_maker import make_model
+            from tandem.tools.checkpoint_maker import make_model
 
             out = tmp_path_factory.mktemp(f"{arch}-{size}")
             made[key] = make_model(out, arch=arch, size=size, **kwargs)

@@ -9,8 +9,8 @@ import random
 import pytest
 import torch
 
-from engine.attention.base import AttentionBackendKind, make_backend, native_cpu_available
-from engine.attention.metadata import AttentionMetadata
+from tandem.engine.attention.base import AttentionBackendKind, make_backend, native_cpu_available
+from tandem.engine.attention.metadata import AttentionMetadata
 
 BLOCK = 4
 

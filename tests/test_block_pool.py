@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-from engine.block_pool import BlockPool
-from engine.kv_cache_manager import KVCacheManager
-from engine.request import Request
-from tandem.hashing import hash_blocks
-from tandem.kv_events import BlocksEvicted, BlocksStored, CacheCleared
-from tandem.sampling_params import SamplingParams
+from tandem.common.hashing import hash_blocks
+from tandem.common.kv_events.events import BlocksEvicted, BlocksStored, CacheCleared
+from tandem.common.sampling_params import SamplingParams
+from tandem.engine.block_pool import BlockPool
+from tandem.engine.kv_cache_manager import KVCacheManager
+from tandem.engine.request import Request
 
 
 def _request(rid: str, tokens: list[int]) -> Request:

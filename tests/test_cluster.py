@@ -13,10 +13,10 @@ from pathlib import Path
 import grpc
 import pytest
 
-from engine import LLM, SamplingParams
-from protos import common_pb2
-from tandem.client import AsyncGenerationClient, build_request, stream_generate
-from tandem.launcher import LocalCluster
+from tandem.cli.launcher import LocalCluster
+from tandem.common.client import AsyncGenerationClient, build_request, stream_generate
+from tandem.engine import LLM, SamplingParams
+from tandem.protos import common_pb2
 from tests.cluster_util import cluster_spec, complete_all, worker_status
 from tests.hf_reference import hf_greedy, random_prompts
 

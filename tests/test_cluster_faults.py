@@ -14,10 +14,10 @@ from pathlib import Path
 import grpc
 import pytest
 
-from engine import LLM, SamplingParams
-from protos import common_pb2
-from tandem.client import AsyncGenerationClient, build_request, stream_generate
-from tandem.launcher import ClusterSpec, LocalCluster
+from tandem.cli.launcher import ClusterSpec, LocalCluster
+from tandem.common.client import AsyncGenerationClient, build_request, stream_generate
+from tandem.engine import LLM, SamplingParams
+from tandem.protos import common_pb2
 from tests.cluster_util import complete_all, free_port, worker_status
 from tests.hf_reference import random_prompts
 

@@ -10,10 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from engine import SamplingParams
-from engine.config import EngineConfig
-from engine.llm_engine import LLMEngine
-from engine.request import PrefillMode
+from tandem.engine import SamplingParams
+from tandem.engine.config import EngineConfig
+from tandem.engine.llm_engine import LLMEngine
+from tandem.engine.request import PrefillMode
 from tests.hf_reference import random_prompts
 
 

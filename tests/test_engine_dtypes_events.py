@@ -9,10 +9,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine import SamplingParams
-from engine.config import EngineConfig
-from engine.llm_engine import LLMEngine
-from tandem.kv_events import BlocksEvicted, BlocksStored, KVCacheEvent
+from tandem.common.kv_events.events import BlocksEvicted, BlocksStored, KVCacheEvent
+from tandem.engine import SamplingParams
+from tandem.engine.config import EngineConfig
+from tandem.engine.llm_engine import LLMEngine
 from tests.hf_reference import random_prompts
 
 

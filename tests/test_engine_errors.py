@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file, save_file
 
-from engine import LLM, SamplingParams
-from tandem.sampling_params import SamplingParams as SP
+from tandem.common.sampling_params import SamplingParams as SP
+from tandem.engine import LLM, SamplingParams
 
 
 @pytest.fixture(scope="module")

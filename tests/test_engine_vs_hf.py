@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine import LLM, SamplingParams
+from tandem.engine import LLM, SamplingParams
 from tests.hf_reference import hf_greedy, random_prompts
 
 NUM_NEW = 24
@@ -115,7 +115,7 @@ def test_reference_backend_matches(arch: str, reference, prompts) -> None:
 def test_both_linear_backends_match(arch: str, reference, prompts) -> None:
     """Tiny models default to plain torch GEMMs (``ONEDNN_MIN_HIDDEN_SIZE``); the packed
     oneDNN path, the default for bigger ones, must give the same tokens."""
-    from engine.layers.linear import onednn_supports
+    from tandem.engine.layers.linear import onednn_supports
 
     if not onednn_supports(torch.device("cpu"), torch.float32):
         pytest.skip("oneDNN linear is unavailable in this torch build")
@@ -127,7 +127,7 @@ def test_both_linear_backends_match(arch: str, reference, prompts) -> None:
 
 
 def test_linear_backend_follows_the_model_size() -> None:
-    from engine.layers.linear import (
+    from tandem.engine.layers.linear import (
         ONEDNN_MIN_HIDDEN_SIZE,
         LinearBackend,
         onednn_supports,

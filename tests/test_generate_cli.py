@@ -12,9 +12,9 @@ from collections.abc import AsyncIterator, Iterator
 import grpc
 import pytest
 
-from protos import common_pb2, generation_pb2, generation_pb2_grpc
-from tandem.cli import main
-from tandem.client import astream_generate
+from tandem.cli.main import main
+from tandem.common.client import astream_generate
+from tandem.protos import common_pb2, generation_pb2, generation_pb2_grpc
 
 CHUNKS = (("Hello", [11, 12]), (", world", [13]), ("!", [14]))
 USAGE = generation_pb2.Usage(prompt_tokens=5, completion_tokens=4, cached_prompt_tokens=2)

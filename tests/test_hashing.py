@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tandem.hashing import hash_block, hash_blocks, root_hash
+from tandem.common.hashing import hash_block, hash_blocks, root_hash
 
 
 def test_known_answer_pins_the_wire_format() -> None:

@@ -13,12 +13,10 @@ from typing import Any
 import pytest
 import redis
 
-from router.kv_event_consumer import KVEventConsumer
-from router.kv_indexer import KVIndexer
-from router.metrics import RouterMetrics
-from tandem.hashing import hash_blocks
-from tandem.kv_event_publisher import KVEventPublisher
-from tandem.kv_event_wire import (
+from tandem.common.hashing import hash_blocks
+from tandem.common.kv_events.events import BlocksEvicted, BlocksStored, KVCacheEvent
+from tandem.common.kv_events.publisher import KVEventPublisher
+from tandem.common.kv_events.wire import (
     STREAM_FIELD,
     CacheSnapshot,
     EventBatch,
@@ -26,8 +24,10 @@ from tandem.kv_event_wire import (
     encode_batch,
     kv_event_stream,
 )
-from tandem.kv_events import BlocksEvicted, BlocksStored, KVCacheEvent
-from tandem.registry import WorkerCapacity, WorkerInfo, WorkerLoad, WorkerRecord, WorkerRole
+from tandem.common.registry import WorkerCapacity, WorkerInfo, WorkerLoad, WorkerRecord, WorkerRole
+from tandem.router.kv_index.consumer import KVEventConsumer
+from tandem.router.kv_index.indexer import KVIndexer
+from tandem.router.metrics import RouterMetrics
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -5,10 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from router.kv_index import PrefixIndex, PrefixMatch
-from router.kv_indexer import KVIndexer
-from tandem.hashing import hash_blocks
-from tandem.kv_event_wire import (
+from tandem.common.hashing import hash_blocks
+from tandem.common.kv_events.events import BlocksEvicted, BlocksStored, CacheCleared
+from tandem.common.kv_events.wire import (
     CacheSnapshot,
     EventBatch,
     KVEventDecodeError,
@@ -17,7 +16,8 @@ from tandem.kv_event_wire import (
     snapshot_from_proto,
     snapshot_to_proto,
 )
-from tandem.kv_events import BlocksEvicted, BlocksStored, CacheCleared
+from tandem.router.kv_index.index import PrefixIndex, PrefixMatch
+from tandem.router.kv_index.indexer import KVIndexer
 
 PROMPT = hash_blocks(list(range(160)), 16)  # 10 blocks
 OTHER = hash_blocks(list(range(1000, 1160)), 16)

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvtransfer.blocks import pack_blocks, unpack_blocks
-from kvtransfer.layout import KVLayout
-from kvtransfer.testing import random_kv_caches
+from tandem.kvtransfer.blocks import pack_blocks, unpack_blocks
+from tandem.kvtransfer.layout import KVLayout
+from tandem.kvtransfer.testing import random_kv_caches
 
 LAYOUT = KVLayout("m", num_layers=3, block_size=4, num_kv_heads=2, head_dim=8, dtype=torch.float32)
 

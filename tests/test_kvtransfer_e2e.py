@@ -11,11 +11,11 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from kvtransfer.blocks import pack_blocks, unpack_blocks
-from kvtransfer.errors import KVPullFailed, PullFailure
-from kvtransfer.layout import KVLayout
-from kvtransfer.receiver import KVReceiver
-from kvtransfer.testing import RandomKVServer, RandomKVSpec, random_kv_caches
+from tandem.kvtransfer.blocks import pack_blocks, unpack_blocks
+from tandem.kvtransfer.errors import KVPullFailed, PullFailure
+from tandem.kvtransfer.layout import KVLayout
+from tandem.kvtransfer.receiver import KVReceiver
+from tandem.kvtransfer.testing import RandomKVServer, RandomKVSpec, random_kv_caches
 
 LAYOUT = KVLayout(
     "tiny", num_layers=3, block_size=4, num_kv_heads=2, head_dim=8, dtype=torch.float16

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvtransfer.errors import IncompatibleKV
-from kvtransfer.layout import KVLayout, check_compatible
-from protos import PROTOCOL_VERSION
+from tandem.kvtransfer.errors import IncompatibleKV
+from tandem.kvtransfer.layout import KVLayout, check_compatible
+from tandem.protos import PROTOCOL_VERSION
 
 LAYOUT = KVLayout(
     "tiny-llama", num_layers=4, block_size=16, num_kv_heads=2, head_dim=8, dtype=torch.float16

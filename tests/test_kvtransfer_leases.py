@@ -9,7 +9,7 @@ import threading
 
 import pytest
 
-from kvtransfer.leases import LeaseTable
+from tandem.kvtransfer.leases import LeaseTable
 
 
 class FakeClock:
@@ -140,5 +140,8 @@ def test_concurrent_release_and_sweep_free_each_block_once(
 
 
 def test_imports_without_torch() -> None:
-    code = "import sys; sys.modules['torch'] = None\nimport kvtransfer.leases, kvtransfer.errors"
+    code = (
+        "import sys; sys.modules['torch'] = None\n"
+        "import tandem.kvtransfer.leases, tandem.kvtransfer.errors"
+    )
     subprocess.run([sys.executable, "-c", code], check=True)

@@ -12,8 +12,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from kvtransfer.errors import PairBroken, PairTimeout
-from kvtransfer.pair import Backend, PairGroup, PairKey, Role, open_store
+from tandem.kvtransfer.errors import PairBroken, PairTimeout
+from tandem.kvtransfer.pair import Backend, PairGroup, PairKey, Role, open_store
 
 CPU = torch.device("cpu")
 

@@ -14,15 +14,15 @@ import grpc
 import pytest
 import torch
 
-from kvtransfer.errors import KVPullFailed, PullFailure
-from kvtransfer.layout import KVLayout
-from kvtransfer.leases import EndedLease, LeaseTable
-from kvtransfer.pair import Backend, PairGroup, PairKey, Role, open_store
-from kvtransfer.receiver import KVReceiver
-from kvtransfer.sender import KVSender
-from kvtransfer.service import KVTransferServicer
-from kvtransfer.testing import random_kv_caches
-from protos import PROTOCOL_VERSION, kv_transfer_pb2, kv_transfer_pb2_grpc
+from tandem.kvtransfer.errors import KVPullFailed, PullFailure
+from tandem.kvtransfer.layout import KVLayout
+from tandem.kvtransfer.leases import EndedLease, LeaseTable
+from tandem.kvtransfer.pair import Backend, PairGroup, PairKey, Role, open_store
+from tandem.kvtransfer.receiver import KVReceiver
+from tandem.kvtransfer.sender import KVSender
+from tandem.kvtransfer.service import KVTransferServicer
+from tandem.kvtransfer.testing import random_kv_caches
+from tandem.protos import PROTOCOL_VERSION, kv_transfer_pb2, kv_transfer_pb2_grpc
 
 LAYOUT = KVLayout(
     "tiny", num_layers=2, block_size=4, num_kv_heads=2, head_dim=8, dtype=torch.float32

@@ -15,8 +15,8 @@ from pathlib import Path
 import grpc
 import pytest
 
-from bench import serve
-from bench.loadgen import (
+from tandem.bench import serve
+from tandem.bench.loadgen import (
     Distribution,
     LoadSpec,
     PlannedRequest,
@@ -27,9 +27,9 @@ from bench.loadgen import (
     plan_requests,
     summarize,
 )
-from bench.workloads import IntRange, TokenPool
-from protos import common_pb2, generation_pb2, generation_pb2_grpc
-from tandem.client import StreamClock, StreamTiming
+from tandem.bench.workloads import IntRange, TokenPool
+from tandem.common.client import StreamClock, StreamTiming
+from tandem.protos import common_pb2, generation_pb2, generation_pb2_grpc
 
 PLAN = PlannedRequest(send_at=0.0, prompt_token_ids=(1, 2, 3), max_tokens=4)
 

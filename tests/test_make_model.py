@@ -13,7 +13,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from engine.checkpoint_maker import PRESETS, make_model
+from tandem.tools.checkpoint_maker import PRESETS, make_model
 
 transformers = pytest.importorskip("transformers")
 
@@ -84,7 +84,7 @@ def _assert_weights_equal_file(model: torch.nn.Module, model_dir: Path) -> None:
 
 
 def test_hf_tokenizer_agrees_with_ours(made: Callable[..., Path]) -> None:
-    from tandem.tokenizer import Tokenizer
+    from tandem.common.tokenizer import Tokenizer
 
     d = made("qwen2")
     ours, hf = Tokenizer.from_dir(d), transformers.AutoTokenizer.from_pretrained(d)
@@ -197,7 +197,7 @@ def test_cli_writes_a_checkpoint(tmp_path: Path) -> None:
 
 
 def test_cli_reports_an_invalid_request(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
-    from tandem.cli import main
+    from tandem.cli.main import main
 
     assert main(["make-model", str(tmp_path / "m"), "--kv-heads", "3"]) == 2
     assert "kv_heads must divide num_heads=4" in capsys.readouterr().err

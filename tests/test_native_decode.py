@@ -7,14 +7,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.attention.base import AttentionBackendKind
-from engine.attention.native import paged_decode_library
-from engine.layers.linear import LinearBackend
-from engine.model_runner import KVCacheLayout, ModelRunner
-from engine.models.native_decode import NativeDecoder
-from engine.scheduler import ScheduledChunk
-from engine.spec_decode.draft_model import DraftSequence
-from tandem.model_config import ModelConfig
+from tandem.common.model_config import ModelConfig
+from tandem.engine.attention.base import AttentionBackendKind
+from tandem.engine.attention.native import paged_decode_library
+from tandem.engine.layers.linear import LinearBackend
+from tandem.engine.model_runner import KVCacheLayout, ModelRunner
+from tandem.engine.models.native_decode import NativeDecoder
+from tandem.engine.scheduler import ScheduledChunk
+from tandem.engine.spec_decode.draft_model import DraftSequence
 
 pytestmark = pytest.mark.skipif(paged_decode_library() is None, reason="no C compiler")
 
@@ -114,8 +114,8 @@ def test_a_draft_asked_twice_without_progress_recomputes_the_last_token(make_che
     would hand it another request's logits)."""
     from types import SimpleNamespace
 
-    from engine.spec_decode.draft_model import DraftModelProposer
-    from tandem.sampling_params import SamplingParams
+    from tandem.common.sampling_params import SamplingParams
+    from tandem.engine.spec_decode.draft_model import DraftModelProposer
 
     model_dir = make_checkpoint("llama")
     proposer = DraftModelProposer(_runner(model_dir, num_blocks=0), 16, BLOCK, seed=0)

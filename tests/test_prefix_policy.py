@@ -9,11 +9,11 @@ import random
 
 import pytest
 
-from router.kv_index import PrefixMatch
-from router.policy import PolicyName, RoutingRequest, make_policy
-from router.pool_view import ListPool
-from router.prefix_policy import DIRECT_HOLDERS, PrefixAwarePolicy, PrefixCost
-from tandem.registry import WorkerCapacity, WorkerInfo, WorkerLoad, WorkerRecord, WorkerRole
+from tandem.common.registry import WorkerCapacity, WorkerInfo, WorkerLoad, WorkerRecord, WorkerRole
+from tandem.router.kv_index.index import PrefixMatch
+from tandem.router.routing.policy import PolicyName, RoutingRequest, make_policy
+from tandem.router.routing.pool_view import ListPool
+from tandem.router.routing.prefix_aware import DIRECT_HOLDERS, PrefixAwarePolicy, PrefixCost
 
 BLOCK = 16
 
@@ -293,8 +293,8 @@ def test_empty_pool_gives_none_and_bad_weights_are_refused() -> None:
 
 
 def test_router_flags_set_both_pools_costs_over_their_role_defaults() -> None:
-    from tandem.cli import build_parser
-    from tandem.server_cli import _prefix_cost
+    from tandem.cli.components import _prefix_cost
+    from tandem.cli.main import build_parser
 
     prefill, decode = WorkerRole.PREFILL, WorkerRole.DECODE
     base = ["router", "--model", "m", "--redis-url", "redis://x"]

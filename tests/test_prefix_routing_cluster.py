@@ -19,9 +19,9 @@ from pathlib import Path
 import grpc
 import pytest
 
-from protos import common_pb2, worker_pb2, worker_pb2_grpc
-from tandem.kv_event_wire import snapshot_from_proto
-from tandem.launcher import READY_PREFIX, ClusterSpec, LocalCluster
+from tandem.cli.launcher import READY_PREFIX, ClusterSpec, LocalCluster
+from tandem.common.kv_events.wire import snapshot_from_proto
+from tandem.protos import common_pb2, worker_pb2, worker_pb2_grpc
 from tests.cluster_util import complete_all, free_port, worker_status
 from tests.hf_reference import random_prompts
 
@@ -136,7 +136,7 @@ def test_same_prefix_goes_to_the_same_worker(cluster: LocalCluster) -> None:
 
 
 def test_router_and_worker_hashes_agree_across_hash_seeds(cluster: LocalCluster) -> None:
-    from tandem.hashing import hash_blocks
+    from tandem.common.hashing import hash_blocks
 
     prompt = random_prompts(1, 4096, (96, 96), seed=3)[0]
     warm_directly(cluster, "prefill-1", prompt)
@@ -147,7 +147,7 @@ def test_router_and_worker_hashes_agree_across_hash_seeds(cluster: LocalCluster)
             )
         )
     code = (
-        "import sys; from tandem.hashing import hash_blocks\n"
+        "import sys; from tandem.common.hashing import hash_blocks\n"
         f"print(','.join(h.hex() for h in hash_blocks({prompt!r}, 16)))"
     )
     for seed in ("0", "987", "random"):

@@ -9,11 +9,11 @@ import itertools
 
 import pytest
 
-from bench.prefix_workloads import Shape, WorkloadSpec, generate
-from bench.sim.calibration import Calibration
-from bench.sim.fleet import FleetSim, FleetSpec, SimResult
-from bench.sim.run import format_table, format_targets
-from router.prefix_policy import PrefixCost
+from tandem.bench.prefix_workloads import Shape, WorkloadSpec, generate
+from tandem.bench.sim.calibration import Calibration
+from tandem.bench.sim.fleet import FleetSim, FleetSpec, SimResult
+from tandem.bench.sim.run import format_table, format_targets
+from tandem.router.routing.prefix_aware import PrefixCost
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -86,8 +86,8 @@ def test_the_guard_flags_reach_the_simulated_router() -> None:
     nearly idle pool the default slack keeps each prefix on few workers; without slack
     the queue guard fires at any queue and spreads them: more copies, more computed (busy
     guard off, to see the queue guard alone)."""
-    from bench.sim.run import Cell, run_cell
-    from router.prefix_policy import PrefixCost
+    from tandem.bench.sim.run import Cell, run_cell
+    from tandem.router.routing.prefix_aware import PrefixCost
 
     workload = WorkloadSpec(Shape.SKEWED, rate=200.0, num_requests=1600, num_prefixes=40)
     results = [
@@ -130,7 +130,7 @@ def test_the_calibration_fit_keeps_every_cost_non_negative() -> None:
     better than clamping the unconstrained coefficients."""
     import numpy as np
 
-    from bench.sim.calibrate import nonnegative_least_squares
+    from tandem.bench.sim.calibrate import nonnegative_least_squares
 
     rows = [(1.0, n, n * n / 1000) for n in (1, 8, 32, 128, 512, 1000)]
     exact = [1e-3 + 2e-5 * n + 3e-5 * q for _, n, q in rows]

@@ -7,9 +7,9 @@ import itertools
 
 import pytest
 
-from bench.prefix_workloads import BlockNamer, SegmentTokens, Shape, WorkloadSpec, generate
-from bench.workloads import TokenPool
-from tandem.hashing import hash_blocks
+from tandem.bench.prefix_workloads import BlockNamer, SegmentTokens, Shape, WorkloadSpec, generate
+from tandem.bench.workloads import TokenPool
+from tandem.common.hashing import hash_blocks
 
 POOL = TokenPool.from_vocab(4096, range(10))
 

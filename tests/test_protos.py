@@ -1,4 +1,6 @@
-"""The committed stubs match the .proto sources (regenerate: ``python -m protos.generate``)."""
+"""The committed stubs match the .proto sources.
+
+Regenerate them with ``python -m tandem.protos.generate``."""
 
 from __future__ import annotations
 
@@ -7,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from protos.generate import PROTO_FILES, protoc_args
+from tandem.protos.generate import PROTO_FILES, SOURCE_DIR, protoc_args, staged_sources
 
 protoc = pytest.importorskip("grpc_tools.protoc", reason="grpcio-tools (test extra) not installed")
 
@@ -27,7 +29,8 @@ def test_generated_stubs_are_fresh(tmp_path: Path) -> None:
     from google.protobuf import descriptor_pb2
 
     descriptor_set = tmp_path / "set.pb"
-    assert protoc.main(protoc_args(tmp_path, descriptor_set)) == 0
+    with staged_sources() as include_root:
+        assert protoc.main(protoc_args(include_root, tmp_path, descriptor_set)) == 0
     fresh = descriptor_pb2.FileDescriptorSet.FromString(descriptor_set.read_bytes())
     assert sorted(f.name for f in fresh.file) == PROTO_FILES
     for file_proto in fresh.file:
@@ -36,12 +39,12 @@ def test_generated_stubs_are_fresh(tmp_path: Path) -> None:
         committed = descriptor_pb2.FileDescriptorProto.FromString(module.DESCRIPTOR.serialized_pb)
         assert committed == _without_json_names(file_proto), (
             f"{file_proto.name} changed since its stubs were generated: "
-            "run `python -m protos.generate`"
+            "run `python -m tandem.protos.generate`"
         )
-        grpc_stub = Path(__file__).resolve().parent.parent / f"{stem}_pb2_grpc.py"
+        grpc_stub = SOURCE_DIR / f"{Path(stem).name}_pb2_grpc.py"
         regenerated = (tmp_path / f"{stem}_pb2_grpc.py").read_text()
         assert _code_lines(grpc_stub.read_text()) == _code_lines(regenerated), (
-            f"{grpc_stub.name} is stale: run `python -m protos.generate`"
+            f"{grpc_stub.name} is stale: run `python -m tandem.protos.generate`"
         )
 
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import redis
 
-from tandem.redis_server import (
+from tandem.common.redis_server import (
     EmbeddedRedis,
     EmbeddedRedisError,
     RedisBinary,

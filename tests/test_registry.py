@@ -12,8 +12,8 @@ from typing import Any
 import pytest
 import redis
 
-from tandem.redis_server import EmbeddedRedis
-from tandem.registry import (
+from tandem.common.redis_server import EmbeddedRedis
+from tandem.common.registry import (
     RegistryDecodeError,
     RegistryKeys,
     RegistryWatcher,
@@ -71,7 +71,7 @@ def test_record_round_trips_through_json() -> None:
 
 
 def test_busy_meter_tracks_the_recent_share_of_time_spent_stepping() -> None:
-    from tandem.worker_load import BusyMeter
+    from tandem.common.worker_load import BusyMeter
 
     now = [0.0]
     meter = BusyMeter(window_s=10.0, clock=lambda: now[0])
@@ -92,7 +92,7 @@ def test_a_new_busy_meter_reports_what_it_saw_not_a_ramp_from_zero() -> None:
     """Two seconds after start at 75% busy, the meter says 0.75 (an uncorrected decayed
     average would say 0.75 x (1 - e^-0.2) = 0.14); then it follows changes with its time
     constant as before."""
-    from tandem.worker_load import BusyMeter
+    from tandem.common.worker_load import BusyMeter
 
     now = [0.0]
     meter = BusyMeter(window_s=10.0, clock=lambda: now[0])
@@ -323,7 +323,7 @@ def test_bad_entries_are_reported_once_and_do_not_stop_the_watcher(
             await worker.register(make_info("good"))
             await wait_until(lambda: watcher.get("good") is not None)
 
-    with caplog.at_level(logging.ERROR, logger="tandem.registry"):
+    with caplog.at_level(logging.ERROR, logger="tandem.common.registry"):
         run(scenario())
     skipped = [r.getMessage() for r in caplog.records if "skipping worker" in r.getMessage()]
     assert len(skipped) == 2, skipped  # once per bad entry, not once per poll

@@ -6,12 +6,12 @@ import math
 
 import pytest
 
-from router.inflight import InflightLoad, PrefillLedger, predicted_busy
-from router.kv_index import PrefixMatch
-from router.policy import PolicyName, RoutingRequest, make_policy
-from router.pool_view import ListPool
-from router.prefix_policy import PrefixAwarePolicy, PrefixCost
-from tandem.registry import WorkerCapacity, WorkerInfo, WorkerLoad, WorkerRecord, WorkerRole
+from tandem.common.registry import WorkerCapacity, WorkerInfo, WorkerLoad, WorkerRecord, WorkerRole
+from tandem.router.kv_index.index import PrefixMatch
+from tandem.router.routing.inflight import InflightLoad, PrefillLedger, predicted_busy
+from tandem.router.routing.policy import PolicyName, RoutingRequest, make_policy
+from tandem.router.routing.pool_view import ListPool
+from tandem.router.routing.prefix_aware import PrefixAwarePolicy, PrefixCost
 
 
 class Clock:

@@ -6,7 +6,8 @@ import random
 
 import pytest
 
-from router.policy import (
+from tandem.common.registry import WorkerCapacity, WorkerInfo, WorkerLoad, WorkerRecord, WorkerRole
+from tandem.router.routing.policy import (
     LeastLoaded,
     PolicyName,
     RoundRobin,
@@ -14,7 +15,6 @@ from router.policy import (
     RoutingRequest,
     make_policy,
 )
-from tandem.registry import WorkerCapacity, WorkerInfo, WorkerLoad, WorkerRecord, WorkerRole
 
 REQUEST = RoutingRequest(request_id="r1", num_prompt_tokens=100)
 

@@ -9,12 +9,17 @@ from pathlib import Path
 
 import pytest
 
-from protos import common_pb2, generation_pb2
-from router.validation import InvalidRequest, RequestValidator, ValidatedRequest, validate_sampling
-from tandem.model_config import ModelConfig
-from tandem.sampling_params import SamplingParams
-from tandem.tokenizer import Tokenizer
-from tandem.wire import sampling_to_proto
+from tandem.common.model_config import ModelConfig
+from tandem.common.sampling_params import SamplingParams
+from tandem.common.tokenizer import Tokenizer
+from tandem.common.wire import sampling_to_proto
+from tandem.protos import common_pb2, generation_pb2
+from tandem.router.validation import (
+    InvalidRequest,
+    RequestValidator,
+    ValidatedRequest,
+    validate_sampling,
+)
 
 MODEL = "llama-tiny"
 

@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine import LLM, SamplingParams
-from engine.sampler import RowGroup, Sampler, SamplingRow, apply_penalties, filtered_probs
+from tandem.engine import LLM, SamplingParams
+from tandem.engine.sampler import RowGroup, Sampler, SamplingRow, apply_penalties, filtered_probs
 from tests.hf_reference import random_prompts
 
 VOCAB = 50

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 
-from engine.block_pool import BlockPool
-from engine.kv_cache_manager import KVCacheManager
-from engine.request import FinishReason, Request, RequestStatus
-from engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
-from tandem.sampling_params import SamplingParams
+from tandem.common.sampling_params import SamplingParams
+from tandem.engine.block_pool import BlockPool
+from tandem.engine.kv_cache_manager import KVCacheManager
+from tandem.engine.request import FinishReason, Request, RequestStatus
+from tandem.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 
 EOS = 1
 

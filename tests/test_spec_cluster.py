@@ -13,10 +13,10 @@ from pathlib import Path
 
 import pytest
 
-from engine import LLM, SamplingParams
-from protos import common_pb2
-from tandem.launcher import LocalCluster
-from tandem.serve_cli import _speculative_args, default_model
+from tandem.cli.launcher import LocalCluster
+from tandem.cli.serve import _speculative_args, default_model
+from tandem.engine import LLM, SamplingParams
+from tandem.protos import common_pb2
 from tests.cluster_util import cluster_spec, complete_all, worker_status
 from tests.hf_reference import random_prompts
 

@@ -9,11 +9,11 @@ from pathlib import Path
 import pytest
 import torch
 
-import engine.spec_decode.rejection as rejection
-from engine import LLM, SamplingParams
-from engine.spec_decode.adaptive import AdaptiveK, best_k
-from engine.spec_decode.ngram import lookup
-from tandem.sampling_params import SpecMethod, SpeculativeOptions
+import tandem.engine.spec_decode.rejection as rejection
+from tandem.common.sampling_params import SpecMethod, SpeculativeOptions
+from tandem.engine import LLM, SamplingParams
+from tandem.engine.spec_decode.adaptive import AdaptiveK, best_k
+from tandem.engine.spec_decode.ngram import lookup
 from tests.hf_reference import random_prompts
 
 GREEDY = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
@@ -92,8 +92,8 @@ def test_draft_equal_to_target_accepts_everything(target, prompts, reference) ->
     # 40 tokens in steps of 5 (after the prefill step): far fewer target passes.
     assert llm.engine.num_steps < 15
     # The drafts came from the native forward (prompt catch-ups from the torch one).
-    from engine.attention.native import paged_decode_library
-    from tandem.sampling_params import SpecMethod
+    from tandem.common.sampling_params import SpecMethod
+    from tandem.engine.attention.native import paged_decode_library
 
     proposer = llm.engine.speculator.proposers[SpecMethod.DRAFT]
     assert (proposer.native is not None) == (paged_decode_library() is not None)

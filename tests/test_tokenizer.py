@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from tandem.tokenizer import ChatTemplateError, IncrementalDetokenizer, Tokenizer
+from tandem.common.tokenizer import ChatTemplateError, IncrementalDetokenizer, Tokenizer
 
 MIXED_TEXT = "Hello 你好，世界! 🎉👨‍👩‍👧 café naïve 日本語のテキスト 😀 def f(x): return x\n"
 CHAT = [
@@ -22,7 +22,7 @@ CHAT = [
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from engine.checkpoint_maker import make_model
+    from tandem.tools.checkpoint_maker import make_model
 
     return make_model(tmp_path_factory.mktemp("tok") / "llama", arch="llama", size="tiny")
 

@@ -13,8 +13,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from engine.checkpoint_maker import PRESETS, checkpoint_spec
-from engine.training import (
+from tandem.tools.checkpoint_maker import PRESETS, checkpoint_spec
+from tandem.tools.training import (
     REPORT_FILE,
     Corpus,
     TrainConfig,
@@ -108,7 +108,7 @@ def test_checkpoint_has_hf_names_and_matches_transformers_logits(
 
 
 def test_engine_and_transformers_greedy_outputs_agree(checkpoint: Path) -> None:
-    from engine import LLM, SamplingParams
+    from tandem.engine import LLM, SamplingParams
 
     hf = _hf_model(checkpoint)
     tokenizer = transformers.AutoTokenizer.from_pretrained(checkpoint)
@@ -142,7 +142,7 @@ def test_a_run_needs_a_budget() -> None:
 
 
 def test_cli_trains_within_the_step_budget(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
-    from tandem.cli import main
+    from tandem.cli.main import main
 
     out = tmp_path / "cli"
     args = ["make-model", str(out), "--train", "--preset", PRESET, "--train-steps", "3"]

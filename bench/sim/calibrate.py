@@ -6,7 +6,7 @@ Runs ``LLMEngine`` in this process on a random ``tandem make-model`` checkpoint 
 in a temporary directory) and times single engine steps: prefill steps of 1-1,000 new
 tokens after 0 or 1,024 cached ones, and decode steps of 1-64 sequences at contexts of
 128 and 1,024 tokens (median of repeats). A non-negative least-squares fit gives the
-coefficients of ``bench.sim.calibration.Calibration``. The KV pull cost is not measured
+coefficients of ``tandem.bench.sim.calibration.Calibration``. The KV pull cost is not measured
 here: it uses ``bench/kvtransfer.py``'s figures in the README (about 1 GB/s for pulls of
 a few MiB, plus a 1.5 ms call).
 """
@@ -26,8 +26,8 @@ if __package__ in (None, ""):
 
 import numpy as np
 
-from bench.machine_load import OtherLoad, wait_for_quiet
-from bench.sim.calibration import HERE, Calibration
+from tandem.bench.machine_load import OtherLoad, wait_for_quiet
+from tandem.bench.sim.calibration import HERE, Calibration
 
 PULL_CALL_S = 1.5e-3
 PULL_BYTES_PER_S = 1.0e9
@@ -44,9 +44,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.wait_quiet:
         wait_for_quiet(args.wait_quiet)
     meter = OtherLoad.start()
-    from engine.checkpoint_maker import make_model
-    from engine.config import EngineConfig
-    from engine.llm_engine import LLMEngine
+    from tandem.engine.config import EngineConfig
+    from tandem.engine.llm_engine import LLMEngine
+    from tandem.tools.checkpoint_maker import make_model
 
     with tempfile.TemporaryDirectory() as tmp:
         model = make_model(Path(tmp) / args.size, arch="llama", size=args.size)
@@ -82,7 +82,7 @@ def main(argv: list[str] | None = None) -> int:
 def _fit_prefill(engine) -> tuple[float, float, float]:
     """Rows (1, new, new * attended / 1000) -> step seconds, where a new token attends
     to the cached context and, on average, half of the chunk (causal)."""
-    from tandem.sampling_params import SamplingParams
+    from tandem.common.sampling_params import SamplingParams
 
     rng = np.random.default_rng(0)
     rows, times = [], []
@@ -107,7 +107,7 @@ def _fit_prefill(engine) -> tuple[float, float, float]:
 
 def _fit_decode(engine) -> tuple[float, float, float]:
     """Rows (1, sequences, KV tokens) -> step seconds."""
-    from tandem.sampling_params import SamplingParams
+    from tandem.common.sampling_params import SamplingParams
 
     rng = np.random.default_rng(1)
     rows, times = [], []

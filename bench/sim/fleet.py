@@ -6,7 +6,7 @@ What is real and what is simulated:
 * real: the routing policies (``RoundRobin``, ``LeastLoaded``, ``PrefixAwarePolicy``),
   the ``KVIndexer`` and its ``PrefixIndex``, the ``EventBatch`` events it applies, the
   ``RoutingRequest`` it is asked about;
-* simulated: workers (``bench.sim.workers``) with step costs measured on the real
+* simulated: workers (``tandem.bench.sim.workers``) with step costs measured on the real
   engine, the event stream (a fixed lag between a worker's step and the index seeing
   its events), and the registry: prefill workers report their load at staggered
   heartbeats, which the router's real ``InflightLoad`` merges with the work it sent
@@ -19,7 +19,7 @@ Decision time is the CPU time (``time.thread_time``: a busy machine's other proc
 do not count) the real router code takes per request — index lookup, building the
 routing request, the policy — prefill and decode picks together; the garbage collector
 is off during a run (the simulation makes no reference cycles). Block names come from
-``bench.prefix_workloads.BlockNamer`` (hashing is timed separately, on the router path,
+``tandem.bench.prefix_workloads.BlockNamer`` (hashing is timed separately, on the router path,
 by ``bench/routing_decision.py``).
 """
 
@@ -34,18 +34,18 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from bench.prefix_workloads import BlockNamer, PromptPlan
-from bench.sim.calibration import Calibration
-from bench.sim.workers import Job, SimDecodeWorker, SimPrefillWorker
-from router.inflight import InflightLoad
-from router.kv_index import EMPTY_MATCH
-from router.kv_indexer import KVIndexer
-from router.policy import LeastLoaded, RoundRobin, RoutingPolicy, RoutingRequest
-from router.pool_view import IndexedPool
-from router.prefix_policy import PrefixAwarePolicy, PrefixCost
-from tandem.kv_event_wire import CacheSnapshot, EventBatch
-from tandem.kv_events import KVCacheEvent
-from tandem.registry import WorkerCapacity, WorkerRole
+from tandem.bench.prefix_workloads import BlockNamer, PromptPlan
+from tandem.bench.sim.calibration import Calibration
+from tandem.bench.sim.workers import Job, SimDecodeWorker, SimPrefillWorker
+from tandem.common.kv_events.events import KVCacheEvent
+from tandem.common.kv_events.wire import CacheSnapshot, EventBatch
+from tandem.common.registry import WorkerCapacity, WorkerRole
+from tandem.router.kv_index.index import EMPTY_MATCH
+from tandem.router.kv_index.indexer import KVIndexer
+from tandem.router.routing.inflight import InflightLoad
+from tandem.router.routing.policy import LeastLoaded, RoundRobin, RoutingPolicy, RoutingRequest
+from tandem.router.routing.pool_view import IndexedPool
+from tandem.router.routing.prefix_aware import PrefixAwarePolicy, PrefixCost
 
 ROUTERS = ("round_robin", "least_loaded", "prefix_aware", "oracle")
 

@@ -28,13 +28,13 @@ from pathlib import Path
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from bench.machine_load import OtherLoad, wait_for_quiet
-from bench.prefix_workloads import Shape, WorkloadSpec, generate
-from bench.sim.calibration import Calibration
-from bench.sim.fleet import ROUTERS, FleetSim, FleetSpec, SimResult
-from router.prefix_policy import PrefixCost
-from tandem.registry import WorkerRole
-from tandem.server_cli import float_or_off
+from tandem.bench.machine_load import OtherLoad, wait_for_quiet
+from tandem.bench.prefix_workloads import Shape, WorkloadSpec, generate
+from tandem.bench.sim.calibration import Calibration
+from tandem.bench.sim.fleet import ROUTERS, FleetSim, FleetSpec, SimResult
+from tandem.cli.components import float_or_off
+from tandem.common.registry import WorkerRole
+from tandem.router.routing.prefix_aware import PrefixCost
 
 
 @dataclasses.dataclass(frozen=True)

@@ -11,7 +11,7 @@ routing sees, with step times from ``Calibration``.
   the cache when it first gets budget; when its last chunk is done its first token is
   out and its blocks are stored (and published as events). Like a real prefill worker
   it reports its load (queue, busy share) only at heartbeats; the router adds what it
-  sent since (``router.inflight``).
+  sent since (``tandem.router.routing.inflight``).
 * ``SimDecodeWorker`` — pulls the blocks it lacks (``pull_time``), then joins a
   continuous batch of at most ``max_num_seqs``; every step yields a token per sequence.
 
@@ -28,11 +28,11 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from bench.sim.calibration import Calibration
-from router.inflight import Ticket
-from tandem.kv_events import BlocksEvicted, BlocksStored, KVCacheEvent
-from tandem.registry import WorkerCapacity, WorkerInfo, WorkerLoad, WorkerRecord, WorkerRole
-from tandem.worker_load import BusyMeter
+from tandem.bench.sim.calibration import Calibration
+from tandem.common.kv_events.events import BlocksEvicted, BlocksStored, KVCacheEvent
+from tandem.common.registry import WorkerCapacity, WorkerInfo, WorkerLoad, WorkerRecord, WorkerRole
+from tandem.common.worker_load import BusyMeter
+from tandem.router.routing.inflight import Ticket
 
 
 @dataclass(eq=False)

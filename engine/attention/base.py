@@ -12,7 +12,7 @@ from typing import Protocol
 
 import torch
 
-from engine.attention.metadata import AttentionMetadata
+from tandem.engine.attention.metadata import AttentionMetadata
 
 
 class AttentionBackendKind(enum.Enum):
@@ -61,7 +61,7 @@ def flash_attn_available() -> bool:
 
 
 def native_cpu_available(device: torch.device, dtype: torch.dtype) -> bool:
-    from engine.attention.native import paged_decode_library
+    from tandem.engine.attention.native import paged_decode_library
 
     return device.type == "cpu" and dtype == torch.float32 and paged_decode_library() is not None
 
@@ -88,18 +88,18 @@ def select_backend_kind(
 
 def make_backend(kind: AttentionBackendKind, scale: float, block_size: int) -> AttentionBackend:
     if kind is AttentionBackendKind.TORCH:
-        from engine.attention.torch_ref import TorchPagedAttention
+        from tandem.engine.attention.torch_ref import TorchPagedAttention
 
         return TorchPagedAttention(scale)
     if kind is AttentionBackendKind.SDPA:
-        from engine.attention.sdpa import SdpaAttention
+        from tandem.engine.attention.sdpa import SdpaAttention
 
         return SdpaAttention(scale)
     if kind is AttentionBackendKind.CPU:
-        from engine.attention.cpu_paged import CpuPagedAttention
-        from engine.attention.native import paged_decode_library
+        from tandem.engine.attention.cpu_paged import CpuPagedAttention
+        from tandem.engine.attention.native import paged_decode_library
 
         return CpuPagedAttention(scale, paged_decode_library())
-    from engine.attention.flash import FlashAttention
+    from tandem.engine.attention.flash import FlashAttention
 
     return FlashAttention(scale, block_size)

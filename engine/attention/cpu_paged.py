@@ -14,9 +14,9 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.attention.base import write_kv
-from engine.attention.metadata import AttentionMetadata
-from engine.attention.sdpa import SdpaAttention
+from tandem.engine.attention.base import write_kv
+from tandem.engine.attention.metadata import AttentionMetadata
+from tandem.engine.attention.sdpa import SdpaAttention
 
 KERNEL_CHUNK_TOKENS = 16
 """Prefill chunks of up to this many tokens (speculative verifications, a draft model's

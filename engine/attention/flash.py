@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import torch
 
-from engine.attention.base import write_kv
-from engine.attention.metadata import AttentionMetadata
+from tandem.engine.attention.base import write_kv
+from tandem.engine.attention.metadata import AttentionMetadata
 
 FLASH_BLOCK_SIZE_MULTIPLE = 256
 

@@ -12,8 +12,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from engine.attention.base import write_kv
-from engine.attention.metadata import AttentionMetadata, gather_kv, visible_keys
+from tandem.engine.attention.base import write_kv
+from tandem.engine.attention.metadata import AttentionMetadata, gather_kv, visible_keys
 
 
 class SdpaAttention:

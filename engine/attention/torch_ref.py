@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import torch
 
-from engine.attention.base import write_kv
-from engine.attention.metadata import AttentionMetadata, gather_kv, visible_keys
+from tandem.engine.attention.base import write_kv
+from tandem.engine.attention.metadata import AttentionMetadata, gather_kv, visible_keys
 
 
 class TorchPagedAttention:

@@ -5,9 +5,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from engine.attention.base import AttentionBackend
-from engine.attention.metadata import AttentionMetadata
-from engine.layers.rotary import RotaryEmbedding
+from tandem.engine.attention.base import AttentionBackend
+from tandem.engine.attention.metadata import AttentionMetadata
+from tandem.engine.layers.rotary import RotaryEmbedding
 
 
 class SelfAttention(nn.Module):

@@ -20,7 +20,7 @@ import enum
 import torch
 from torch import nn
 
-from engine.layers.mlp import GatedMLP
+from tandem.engine.layers.mlp import GatedMLP
 
 
 class LinearBackend(enum.Enum):

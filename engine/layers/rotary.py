@@ -12,7 +12,7 @@ import math
 import torch
 from torch import nn
 
-from tandem.model_config import RopeConfig, RopeScaling
+from tandem.common.model_config import RopeConfig, RopeScaling
 
 
 def inverse_frequencies(head_dim: int, rope: RopeConfig) -> torch.Tensor:

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 from torch import nn
 
-from tandem.model_config import Architecture, ModelConfig
+from tandem.common.model_config import Architecture, ModelConfig
 
 
 def model_class(config: ModelConfig) -> type[nn.Module]:
-    from engine.models.llama import LlamaForCausalLM
-    from engine.models.mistral import MistralForCausalLM
-    from engine.models.qwen2 import Qwen2ForCausalLM
+    from tandem.engine.models.llama import LlamaForCausalLM
+    from tandem.engine.models.mistral import MistralForCausalLM
+    from tandem.engine.models.qwen2 import Qwen2ForCausalLM
 
     return {
         Architecture.LLAMA: LlamaForCausalLM,

@@ -13,13 +13,13 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
-from engine.attention.base import AttentionBackend
-from engine.attention.metadata import AttentionMetadata
-from engine.layers.attention import SelfAttention
-from engine.layers.mlp import GatedMLP
-from engine.layers.norm import RMSNorm
-from engine.layers.rotary import RotaryEmbedding
-from tandem.model_config import ModelConfig
+from tandem.common.model_config import ModelConfig
+from tandem.engine.attention.base import AttentionBackend
+from tandem.engine.attention.metadata import AttentionMetadata
+from tandem.engine.layers.attention import SelfAttention
+from tandem.engine.layers.mlp import GatedMLP
+from tandem.engine.layers.norm import RMSNorm
+from tandem.engine.layers.rotary import RotaryEmbedding
 
 # Checkpoint tensor suffix -> (fused parameter suffix, shard index).
 FUSED_SHARDS: dict[str, tuple[str, int]] = {

@@ -4,7 +4,7 @@ from ``config.json`` and is applied by the attention backend's mask."""
 
 from __future__ import annotations
 
-from engine.models.llama import LlamaForCausalLM
+from tandem.engine.models.llama import LlamaForCausalLM
 
 
 class MistralForCausalLM(LlamaForCausalLM):

@@ -24,8 +24,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from engine.attention.native import paged_decode_library
-from engine.scheduler import ScheduledChunk
+from tandem.engine.attention.native import paged_decode_library
+from tandem.engine.scheduler import ScheduledChunk
 
 MAX_ROWS = 32
 """Beyond this many tokens in one call the torch path's batched products win."""
@@ -123,7 +123,7 @@ class NativeDecoder:
     def supports(model: nn.Module) -> bool:
         """A Llama-family model in float32 on the CPU with plain linear layers, and the
         native library built."""
-        from engine.models.llama import LlamaForCausalLM
+        from tandem.engine.models.llama import LlamaForCausalLM
 
         if not isinstance(model, LlamaForCausalLM) or paged_decode_library() is None:
             return False

@@ -5,7 +5,7 @@ sliding window (``use_sliding_window`` + ``max_window_layers``)."""
 
 from __future__ import annotations
 
-from engine.models.llama import LlamaForCausalLM
+from tandem.engine.models.llama import LlamaForCausalLM
 
 
 class Qwen2ForCausalLM(LlamaForCausalLM):

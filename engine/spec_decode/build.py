@@ -4,15 +4,15 @@ from __future__ import annotations
 
 from collections.abc import Collection
 
-from engine.config import EngineConfig, EngineRuntime, default_spec_method
-from engine.layers.linear import LinearBackend, select_linear_backend
-from engine.model_runner import KVCacheLayout, ModelRunner
-from engine.spec_decode.draft_model import DraftModelProposer
-from engine.spec_decode.ngram import NgramProposer
-from engine.spec_decode.proposer import Proposer
-from engine.spec_decode.speculator import SpeculationConfig, Speculator
-from tandem.model_config import ModelConfig
-from tandem.sampling_params import SpecMethod
+from tandem.common.model_config import ModelConfig
+from tandem.common.sampling_params import SpecMethod
+from tandem.engine.config import EngineConfig, EngineRuntime, default_spec_method
+from tandem.engine.layers.linear import LinearBackend, select_linear_backend
+from tandem.engine.model_runner import KVCacheLayout, ModelRunner
+from tandem.engine.spec_decode.draft_model import DraftModelProposer
+from tandem.engine.spec_decode.ngram import NgramProposer
+from tandem.engine.spec_decode.proposer import Proposer
+from tandem.engine.spec_decode.speculator import SpeculationConfig, Speculator
 
 
 def build_speculator(
@@ -55,7 +55,7 @@ CUDA graphs, a dozen launches of ~4 us each while HBM could have streamed ~50M w
 They matter for small drafts, whose steps are mostly overhead."""
 
 NATIVE_LAYER_OVERHEAD_MACS = 100_000
-"""The same for a draft whose forward runs natively (``engine.models.native_decode``):
+"""The same for a draft whose forward runs natively (``tandem.engine.models.native_decode``):
 about 5 us per layer on the 2-core CPU."""
 
 

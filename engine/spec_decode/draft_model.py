@@ -8,7 +8,7 @@ proposal: the draft's computed tokens shrink to the longest prefix it shares wit
 request, and the blocks past it are trimmed. Greedy requests draft greedily; sampled
 ones draw from the draft's own distribution under the request's temperature and
 filters, and those distributions go to the rejection sampler. A small float32 draft on
-the CPU runs its forwards natively (``engine.models.native_decode``): a step of a few
+the CPU runs its forwards natively (``tandem.engine.models.native_decode``): a step of a few
 tokens is then one call instead of a few dozen torch operators.
 """
 
@@ -19,15 +19,15 @@ from dataclasses import dataclass, field
 
 import torch
 
-from engine.block_pool import BlockPool
-from engine.kv_cache_manager import KVCacheManager
-from engine.model_runner import ModelRunner
-from engine.models.native_decode import MAX_ROWS, NativeDecoder
-from engine.request import Request
-from engine.sampler import SamplingRow, filtered_probs
-from engine.scheduler import ScheduledChunk
-from engine.spec_decode.proposer import Proposal
-from engine.spec_decode.rejection import sample
+from tandem.engine.block_pool import BlockPool
+from tandem.engine.kv_cache_manager import KVCacheManager
+from tandem.engine.model_runner import ModelRunner
+from tandem.engine.models.native_decode import MAX_ROWS, NativeDecoder
+from tandem.engine.request import Request
+from tandem.engine.sampler import SamplingRow, filtered_probs
+from tandem.engine.scheduler import ScheduledChunk
+from tandem.engine.spec_decode.proposer import Proposal
+from tandem.engine.spec_decode.rejection import sample
 
 _DRAFT_SEED_OFFSET = 0x5EED
 

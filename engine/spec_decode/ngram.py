@@ -16,8 +16,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from engine.request import Request
-from engine.spec_decode.proposer import Proposal
+from tandem.engine.request import Request
+from tandem.engine.spec_decode.proposer import Proposal
 
 
 class NgramProposer:

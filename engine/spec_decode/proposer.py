@@ -8,7 +8,7 @@ from typing import Protocol
 
 import torch
 
-from engine.request import Request
+from tandem.engine.request import Request
 
 
 @dataclass(frozen=True)

@@ -15,11 +15,11 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.request import PrefillMode, Request
-from engine.scheduler import StepUpdate
-from engine.spec_decode.adaptive import AdaptiveK
-from engine.spec_decode.proposer import Proposer
-from tandem.sampling_params import SpecMethod
+from tandem.common.sampling_params import SpecMethod
+from tandem.engine.request import PrefillMode, Request
+from tandem.engine.scheduler import StepUpdate
+from tandem.engine.spec_decode.adaptive import AdaptiveK
+from tandem.engine.spec_decode.proposer import Proposer
 
 VERIFY_COST_PER_TOKEN = 0.05
 """Verifying one more position costs little next to a decode step at small batch."""

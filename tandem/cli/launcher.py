@@ -1,0 +1,241 @@
+"""A whole Tandem cluster on one machine, as separate processes: Redis (embedded unless
+a URL is given), N prefill workers, M decode workers and a router.
+
+Used by ``tandem serve`` and by the end-to-end tests. ``start()`` returns once every
+process reported ready *and* the router sees every worker in the registry; ``stop()``
+sends SIGTERM to all (each deregisters and drains), then SIGKILL after a grace period.
+Children's output goes to one log file per process (``log_dir``) or is echoed with a
+``[name]`` prefix.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TextIO
+
+import grpc
+
+from tandem.common.redis_server import EmbeddedRedis
+from tandem.protos import generation_pb2, generation_pb2_grpc
+
+READY_PREFIX = "READY "
+
+
+class ClusterStartError(RuntimeError):
+    """A process died or did not become ready in time; the message names it."""
+
+
+@dataclass(frozen=True)
+class ClusterSpec:
+    model_dir: str
+    num_prefill: int = 1
+    num_decode: int = 1
+    router_port: int = 50051
+    host: str = "127.0.0.1"
+    redis_url: str | None = None
+    model_name: str | None = None
+    worker_args: tuple[str, ...] = ()
+    """Extra flags for every worker (engine options such as ``--max-num-seqs 64``)."""
+    prefill_args: tuple[str, ...] = ()
+    """Extra flags for prefill workers only, after ``worker_args``."""
+    decode_args: tuple[str, ...] = ()
+    """Extra flags for decode workers only (e.g. ``--draft-model DIR``)."""
+    router_args: tuple[str, ...] = ()
+    threads_per_worker: int | None = None
+    """Torch threads per worker; default: the machine's cores shared among workers."""
+    log_dir: Path | None = None
+    env: tuple[tuple[str, str], ...] = ()
+
+
+@dataclass
+class _Child:
+    name: str
+    process: subprocess.Popen[str]
+    ready: threading.Event = field(default_factory=threading.Event)
+    ready_line: str = ""
+
+
+class LocalCluster:
+    def __init__(self, spec: ClusterSpec) -> None:
+        self.spec = spec
+        self.redis: EmbeddedRedis | None = None
+        self.redis_url = spec.redis_url or ""
+        self.children: dict[str, _Child] = {}
+
+    @property
+    def router_address(self) -> str:
+        return f"{self.spec.host}:{self.spec.router_port}"
+
+    @property
+    def model_name(self) -> str:
+        return self.spec.model_name or Path(self.spec.model_dir).resolve().name
+
+    def worker_address(self, name: str) -> str:
+        """``host:port`` of a started component (from its READY line)."""
+        return self.children[name].ready_line.split()[-1]
+
+    def start(self, timeout_s: float = 180.0) -> LocalCluster:
+        try:
+            if not self.redis_url:
+                self.redis = EmbeddedRedis().start()
+                self.redis_url = self.redis.url
+            for i in range(self.spec.num_prefill):
+                self.start_worker("prefill", f"prefill-{i}")
+            for i in range(self.spec.num_decode):
+                self.start_worker("decode", f"decode-{i}")
+            self._spawn(
+                "router",
+                self._component_args(
+                    "router", "--port", str(self.spec.router_port), *self.spec.router_args
+                ),
+            )
+            self.wait_ready(list(self.children), timeout_s)
+            self.wait_for_workers(self.spec.num_prefill, self.spec.num_decode, timeout_s)
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def start_worker(self, role: str, name: str) -> None:
+        """Spawn one worker (also used by tests to add or replace workers)."""
+        threads = self.spec.threads_per_worker or max(
+            1, (os.cpu_count() or 1) // max(1, self.spec.num_prefill + self.spec.num_decode)
+        )
+        args = self._component_args(
+            f"{role}-worker",
+            "--worker-id",
+            name,
+            "--num-threads",
+            str(threads),
+            *self.spec.worker_args,
+            *(self.spec.prefill_args if role == "prefill" else self.spec.decode_args),
+        )
+        self._spawn(name, args)
+
+    def wait_ready(self, names: Sequence[str], timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        for name in names:
+            child = self.children[name]
+            while not child.ready.wait(0.1):
+                if child.process.poll() is not None:
+                    raise ClusterStartError(
+                        f"{name} exited with code {child.process.returncode}{self._log_hint(name)}"
+                    )
+                if time.monotonic() > deadline:
+                    raise ClusterStartError(
+                        f"{name} not ready after {timeout_s:.0f} s{self._log_hint(name)}"
+                    )
+
+    def wait_for_workers(self, num_prefill: int, num_decode: int, timeout_s: float) -> None:
+        """Until the router's registry view holds exactly these worker counts."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            model = self.model_info()
+            if (model.num_prefill_workers, model.num_decode_workers) == (num_prefill, num_decode):
+                return
+            if time.monotonic() > deadline:
+                raise ClusterStartError(
+                    f"router sees {model.num_prefill_workers} prefill / {model.num_decode_workers}"
+                    f" decode workers, expected {num_prefill} / {num_decode}"
+                )
+            time.sleep(0.1)
+
+    def model_info(self) -> generation_pb2.ModelInfo:
+        with grpc.insecure_channel(self.router_address) as channel:
+            stub = generation_pb2_grpc.GenerationStub(channel)
+            return stub.ListModels(generation_pb2.ListModelsRequest(), timeout=10.0).models[0]
+
+    def kill(self, name: str, sig: int = signal.SIGKILL) -> None:
+        child = self.children.pop(name)
+        child.process.send_signal(sig)
+        child.process.wait(timeout=30)
+
+    def stop(self, grace_s: float = 10.0) -> None:
+        for child in self.children.values():
+            if child.process.poll() is None:
+                child.process.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + grace_s
+        for child in self.children.values():
+            try:
+                child.process.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                child.process.kill()
+                child.process.wait()
+        self.children.clear()
+        if self.redis is not None:
+            self.redis.stop()
+            self.redis = None
+
+    def __enter__(self) -> LocalCluster:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    # --- helpers -----------------------------------------------------------------------
+
+    def _component_args(self, command: str, *extra: str) -> list[str]:
+        args = [
+            sys.executable,
+            "-m",
+            "tandem.cli",
+            command,
+            "--model",
+            self.spec.model_dir,
+            "--redis-url",
+            self.redis_url,
+            "--host",
+            self.spec.host,
+        ]
+        if self.spec.model_name:
+            args += ["--model-name", self.spec.model_name]
+        return [*args, *extra]
+
+    def _spawn(self, name: str, args: list[str]) -> None:
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", **dict(self.spec.env)}
+        process = subprocess.Popen(
+            args,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env=env,
+            start_new_session=True,  # Ctrl-C reaches the launcher only; it stops children in order
+        )
+        child = _Child(name, process)
+        self.children[name] = child
+        sink = self._sink(name)
+        threading.Thread(target=_pump, args=(child, sink), daemon=True, name=f"log-{name}").start()
+
+    def _sink(self, name: str) -> TextIO | None:
+        if self.spec.log_dir is None:
+            return None
+        self.spec.log_dir.mkdir(parents=True, exist_ok=True)
+        return open(self.spec.log_dir / f"{name}.log", "a", buffering=1)
+
+    def _log_hint(self, name: str) -> str:
+        return f" (see {self.spec.log_dir / f'{name}.log'})" if self.spec.log_dir else ""
+
+
+def _pump(child: _Child, sink: TextIO | None) -> None:
+    """Copy a child's output to its log (or our stdout) and notice its READY line."""
+    assert child.process.stdout is not None
+    try:
+        for line in child.process.stdout:
+            if line.startswith(READY_PREFIX) and not child.ready.is_set():
+                child.ready_line = line.strip()
+                child.ready.set()
+            if sink is not None:
+                sink.write(line)
+            else:
+                sys.stdout.write(f"[{child.name}] {line}")
+    finally:
+        if sink is not None:
+            sink.close()

@@ -1,0 +1,166 @@
+"""``tandem serve``: the whole cluster on this machine, until Ctrl-C.
+
+With ``--demo`` it streams the answer to a sample request, then shuts down: the quick
+start. Without ``--model`` it serves the default model, the trained target shipped in
+``engine/assets/trained`` (``--speculative-method draft`` adds its trained draft).
+"""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+import threading
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from tandem.cli.launcher import LocalCluster
+
+DEMO_PROMPT = "def fibonacci(n):"
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    serve = subparsers.add_parser("serve", help="run router + prefill + decode workers here")
+    serve.add_argument("--model", help="checkpoint directory (default: the built-in trained model)")
+    serve.add_argument("--model-name")
+    serve.add_argument("--prefill-workers", type=int, default=1)
+    serve.add_argument("--decode-workers", type=int, default=1)
+    serve.add_argument("--port", type=int, default=50051)
+    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--redis-url", help="default: start an embedded Redis")
+    serve.add_argument("--log-dir", type=Path, help="one log file per process (default: echo)")
+    serve.add_argument("--demo", action="store_true", help="answer a sample request, then stop")
+    serve.add_argument(
+        "--worker-arg",
+        action="append",
+        default=[],
+        help="extra flag for every worker, e.g. --worker-arg=--max-num-seqs=64",
+    )
+    serve.add_argument("--prefill-worker-arg", action="append", default=[])
+    serve.add_argument("--decode-worker-arg", action="append", default=[])
+    serve.add_argument("--router-arg", action="append", default=[])
+    spec = serve.add_argument_group(
+        "speculative decoding (decode workers)",
+        "Off unless asked for; with the default model, --speculative-method draft uses "
+        "its trained draft.",
+    )
+    spec.add_argument("--speculative-method", choices=("ngram", "draft", "none"))
+    spec.add_argument("--num-speculative-tokens", type=int, help="most drafts per step (k)")
+    spec.add_argument("--draft-model", help="draft checkpoint (implies --speculative-method draft)")
+    serve.set_defaults(run=_run)
+
+
+def _run(args: argparse.Namespace) -> int:
+    from tandem.cli.launcher import ClusterSpec, LocalCluster
+
+    model = args.model or str(default_model())
+    spec = ClusterSpec(
+        model_dir=model,
+        num_prefill=args.prefill_workers,
+        num_decode=args.decode_workers,
+        router_port=args.port,
+        host=args.host,
+        redis_url=args.redis_url,
+        model_name=args.model_name,
+        # The shipped weights are stored in bfloat16 to stay small; compute in float32
+        # (a later --worker-arg=--dtype=... wins).
+        worker_args=(*(() if args.model else ("--dtype", "float32")), *args.worker_arg),
+        prefill_args=tuple(args.prefill_worker_arg),
+        decode_args=(*_speculative_args(args), *args.decode_worker_arg),
+        router_args=tuple(args.router_arg),
+        log_dir=args.log_dir,
+    )
+    cluster = LocalCluster(spec)
+    print(f"starting {spec.num_prefill} prefill + {spec.num_decode} decode workers for {model}")
+    with cluster:
+        redis = cluster.redis_url + (" (embedded)" if cluster.redis else "")
+        print(
+            f"tandem serving {cluster.model_name!r} at {cluster.router_address}; registry {redis}"
+        )
+        if args.demo:
+            _demo(cluster.router_address)
+            _print_speculation(cluster)
+            return 0
+        _wait_for_ctrl_c()
+        print("stopping")
+    return 0
+
+
+def _speculative_args(args: argparse.Namespace) -> list[str]:
+    """Decode-worker flags for speculative decoding; the default model brings its draft.
+
+    Off by default: on CPU-sized models a draft's step is mostly fixed overhead, and
+    speculating is slower at batch 1 (README, bench/specdec.py)."""
+    method, draft = args.speculative_method, args.draft_model
+    if method == "none":
+        return []
+    if draft is None and args.model is None and method == "draft":
+        draft = str(default_model().parent / "draft")
+    out = []
+    if method is not None:
+        out += ["--speculative-method", method]
+    if draft is not None and method != "ngram":
+        out += ["--draft-model", draft]
+    if args.num_speculative_tokens is not None:
+        out += ["--num-speculative-tokens", str(args.num_speculative_tokens)]
+    return out
+
+
+def default_model() -> Path:
+    """The trained target shipped with ``tandem.engine`` (``engine/assets/trained/target``;
+    its README says how it was made). Raises ``FileNotFoundError`` when it is missing."""
+    import importlib.util
+
+    engine = importlib.util.find_spec("tandem.engine")  # locates the package, imports no torch
+    path = Path(engine.origin).parent / "assets" / "trained" / "target"
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(f"the default model is missing from {path}; pass --model DIR")
+    return path
+
+
+def _demo(address: str) -> None:
+    from tandem.common.client import stream_generate
+    from tandem.protos import common_pb2
+
+    print(f"\n>>> {DEMO_PROMPT}")
+    sampling = common_pb2.SamplingParams(max_tokens=48, temperature=0)
+    for response in stream_generate(address, DEMO_PROMPT, sampling, timeout_s=120):
+        sys.stdout.write(response.text)
+        sys.stdout.flush()
+        if response.HasField("usage"):
+            u = response.usage
+            print(
+                f"\n\n[{u.prompt_tokens} prompt tokens, {u.completion_tokens} generated, "
+                f"{u.cached_prompt_tokens} from the prefix cache]"
+            )
+
+
+def _print_speculation(cluster: LocalCluster) -> None:
+    """What the decode workers' speculative decoding did (from their ``GetStatus``)."""
+    import grpc
+
+    from tandem.protos import worker_pb2, worker_pb2_grpc
+
+    for i in range(cluster.spec.num_decode):
+        with grpc.insecure_channel(cluster.worker_address(f"decode-{i}")) as channel:
+            status = worker_pb2_grpc.DecodeWorkerStub(channel).GetStatus(
+                worker_pb2.StatusRequest(), timeout=10
+            )
+        if not status.HasField("spec_decode"):
+            continue
+        spec = status.spec_decode
+        if spec.num_draft_tokens and spec.num_request_passes:
+            print(
+                f"[decode-{i} speculated: {spec.num_accepted_tokens} of "
+                f"{spec.num_draft_tokens} drafted tokens accepted, "
+                f"{spec.num_pass_tokens / spec.num_request_passes:.2f} tokens per target "
+                "forward]"
+            )
+
+
+def _wait_for_ctrl_c() -> None:
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    stop.wait()

@@ -1,0 +1,92 @@
+"""What every worker process does around its engine: serve gRPC, stay registered.
+
+Torch-free: the worker packages hand in their servicers and two callables — the
+worker's fixed info (once the port is known) and its current load (read every
+heartbeat) — and this module runs the server, the registry entry and the heartbeats
+until asked to stop, then deregisters before the server goes away, so routers stop
+sending traffic first.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+from tandem.common.grpc_server import AddServicer, RunningServer, start_server
+from tandem.common.process import stop_on_signals
+from tandem.common.registry import (
+    DEFAULT_HEARTBEAT_INTERVAL_S,
+    DEFAULT_TTL_S,
+    WorkerInfo,
+    WorkerLoad,
+    WorkerRegistration,
+    WorkerRole,
+)
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class WorkerOptions:
+    """One worker process, as its command line describes it."""
+
+    role: WorkerRole
+    model_dir: str
+    model_name: str
+    worker_id: str
+    redis_url: str
+    host: str = "127.0.0.1"
+    port: int = 0
+    advertise_host: str | None = None
+    """Host other processes use to reach this one (defaults to ``host``)."""
+    engine: Mapping[str, object] = field(default_factory=dict)
+    """``EngineConfig`` fields other than the model directory."""
+    lease_ttl_s: float = 30.0
+    kv_pull_timeout_s: float = 10.0
+    registry_ttl_s: float = DEFAULT_TTL_S
+    heartbeat_interval_s: float = DEFAULT_HEARTBEAT_INTERVAL_S
+
+    @property
+    def public_host(self) -> str:
+        return self.advertise_host or ("127.0.0.1" if self.host in ("0.0.0.0", "") else self.host)
+
+
+async def host_worker(
+    options: WorkerOptions,
+    add_servicers: Sequence[AddServicer],
+    service_names: Sequence[str],
+    make_info: Callable[[str], WorkerInfo],
+    load: Callable[[], WorkerLoad],
+    stop: asyncio.Event | None = None,
+) -> None:
+    """Serve until ``stop`` is set or SIGINT/SIGTERM arrives. ``make_info(address)``
+    builds the registry entry once the bound address is known."""
+    stop = stop or stop_on_signals()
+    server = await start_server(options.host, options.port, add_servicers, service_names)
+    address = f"{options.public_host}:{server.port}"
+    info = make_info(address)
+    registration = WorkerRegistration(options.redis_url, ttl_s=options.registry_ttl_s)
+    try:
+        await registration.register(info, load())
+        heartbeats = asyncio.create_task(
+            registration.run_heartbeats(load, options.heartbeat_interval_s)
+        )
+        log.info(
+            "%s worker %s serving %s at %s", info.role.value, info.worker_id, info.model, address
+        )
+        print(f"READY {info.role.value} {info.worker_id} {address}", flush=True)
+        await stop.wait()
+        heartbeats.cancel()
+    finally:
+        await _leave(registration, server)
+
+
+async def _leave(registration: WorkerRegistration, server: RunningServer) -> None:
+    with contextlib.suppress(Exception):
+        await registration.deregister()
+    with contextlib.suppress(Exception):
+        await registration.aclose()
+    await server.stop()

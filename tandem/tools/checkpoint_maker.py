@@ -1,0 +1,429 @@
+"""Random-weight HuggingFace checkpoints for tests and benchmarks, made offline.
+
+``make_model(out_dir, arch, size, ...)`` writes a directory that ``transformers`` loads
+with ``AutoModelForCausalLM`` / ``AutoTokenizer``: ``config.json``,
+``generation_config.json``, ``model.safetensors`` (standard HF tensor names),
+``tokenizer.json`` and ``tokenizer_config.json`` (see ``tandem.tools.checkpoint_tokenizer``).
+
+Weights are a pure function of ``(seed, tensor name, shape)``: every tensor draws from
+its own PCG64 stream seeded by ``(seed, crc32(name))`` and uses only the raw 64-bit
+outputs (whose streams numpy keeps stable), mapped to uniform floats with exact
+arithmetic, so the same seed gives the same bytes on every machine.
+
+Initialisation (uniform distributions, given by their standard deviation; d = hidden
+size, L = layers), chosen so that a float32 greedy comparison against transformers is
+meaningful:
+
+* ``embed_tokens`` and ``lm_head``: std ``1/sqrt(d)`` (rows of norm about 1).
+* final ``model.norm`` weight: ``LOGIT_SCALE * (1 ± NORM_JITTER)``, so logits have a
+  std of about ``LOGIT_SCALE`` (4) over the vocabulary; other RMSNorm weights are
+  ``1 ± NORM_JITTER`` (not all ones, so a norm-loading bug shows).
+* ``q/k/v_proj``: std ``1/sqrt(d)``, q and k times ``QK_GAIN`` (scores of std ~2, so
+  attention is sharp and position-dependent and a RoPE or mask bug changes the
+  output). Qwen2 q/k/v biases: std ``BIAS_STD``, small because a v bias passes through
+  attention undiluted and adds the same "favourite token" to every position.
+* ``o_proj`` / ``down_proj``: std ``BRANCH_GAIN / sqrt(fan_in * L)``: every block adds
+  a comparable share and the residual RMS grows smoothly to about 2 (tiny: 0.1 after
+  the embedding, then 1.0, 1.4, 1.8). The small embedding share matters for tied
+  embeddings (Qwen2): the logit of the input token is raised by about
+  ``embedding RMS * sqrt(d) / residual RMS`` standard deviations, and a large
+  embedding makes greedy decoding repeat its input token forever.
+
+Measured with transformers (float32, greedy, 8 prompts x 48 new tokens x 3 seeds,
+tiny and small): top-1 minus top-2 logit margin median 0.74-0.81, 1st percentile
+0.008-0.016, below 1e-3 in 0.1-0.35 % of steps; medium (1 seed, 32 tokens): median
+0.70-0.82, none below 1e-3. Greedy output does not collapse: the mean fraction of
+distinct tokens is 0.75-0.91 (llama/mistral 0.82-0.91, qwen2 0.75-0.81).
+
+``python -m tandem.tools.checkpoint_maker`` is not a CLI; use ``tandem make-model``.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+import math
+import zlib
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from safetensors.torch import save_file
+
+from tandem.tools.checkpoint_tokenizer import MIN_VOCAB_SIZE, TokenIds, write_tokenizer
+
+LOGIT_SCALE = 4.0
+QK_GAIN = 1.5
+BRANCH_GAIN = 2.0
+BIAS_STD = 0.1
+NORM_JITTER = 0.25
+MAX_POSITION_EMBEDDINGS = 2048
+ROPE_SCALING_FACTOR = 2.0
+LLAMA3_ORIGINAL_MAX_POSITIONS = 1024  # below MAX_POSITION_EMBEDDINGS, so scaling matters
+
+
+@dataclass(frozen=True)
+class SizePreset:
+    """Shape of one model size.
+
+    ``sliding_window`` applies only to archs that use one: each position attends to at
+    most that many most recent positions, itself included (transformers' semantics).
+    """
+
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    intermediate_size: int
+    sliding_window: int
+
+
+PRESETS: dict[str, SizePreset] = {
+    "tiny": SizePreset(64, 4, 4, 2, 192, sliding_window=64),
+    "small": SizePreset(256, 6, 8, 2, 768, sliding_window=64),
+    "medium": SizePreset(768, 12, 12, 4, 3072, sliding_window=256),  # ≈110M parameters
+    # Trained on the stdlib by `tandem make-model --train-pair` (tandem.tools.training), shipped
+    # in engine/assets/trained: sized so the pair fits in ~8 MB in bfloat16.
+    "trained-target": SizePreset(192, 4, 6, 2, 512, sliding_window=64),  # 3.1M parameters
+    "trained-draft": SizePreset(64, 2, 4, 2, 192, sliding_window=64),  # 0.6M parameters
+}
+
+
+@dataclass(frozen=True)
+class ArchSpec:
+    """What distinguishes one HF architecture's checkpoint from another's."""
+
+    class_name: str
+    model_type: str
+    qkv_bias: bool
+    tie_word_embeddings: bool
+    has_sliding_window: bool
+    rope_theta: float
+    rms_norm_eps: float
+    extra_fields: Callable[[CheckpointSpec], dict[str, object]]  # arch-only config.json keys
+
+
+def _llama_fields(spec: CheckpointSpec) -> dict[str, object]:
+    return {"mlp_bias": False, "pretraining_tp": 1}
+
+
+def _qwen2_fields(spec: CheckpointSpec) -> dict[str, object]:
+    # Qwen2's optional sliding window stays off; `attention_bias` only documents q/k/v bias.
+    layers = spec.preset.num_layers
+    return {"use_sliding_window": False, "sliding_window": None, "max_window_layers": layers}
+
+
+def _mistral_fields(spec: CheckpointSpec) -> dict[str, object]:
+    return {"sliding_window": spec.window}
+
+
+ARCHS: dict[str, ArchSpec] = {
+    "llama": ArchSpec(
+        class_name="LlamaForCausalLM",
+        model_type="llama",
+        qkv_bias=False,
+        tie_word_embeddings=False,
+        has_sliding_window=False,
+        rope_theta=500_000.0,
+        rms_norm_eps=1e-5,
+        extra_fields=_llama_fields,
+    ),
+    "qwen2": ArchSpec(
+        class_name="Qwen2ForCausalLM",
+        model_type="qwen2",
+        qkv_bias=True,
+        tie_word_embeddings=True,
+        has_sliding_window=False,
+        rope_theta=1_000_000.0,
+        rms_norm_eps=1e-6,
+        extra_fields=_qwen2_fields,
+    ),
+    "mistral": ArchSpec(
+        class_name="MistralForCausalLM",
+        model_type="mistral",
+        qkv_bias=False,
+        tie_word_embeddings=False,
+        has_sliding_window=True,
+        rope_theta=10_000.0,
+        rms_norm_eps=1e-5,
+        extra_fields=_mistral_fields,
+    ),
+}
+
+DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+}
+
+
+class RopeScaling(enum.Enum):
+    NONE = "none"
+    LINEAR = "linear"
+    LLAMA3 = "llama3"
+
+
+class ConfigStyle(enum.Enum):
+    LEGACY = "legacy"  # top-level rope_theta + rope_scaling, torch_dtype (transformers 4)
+    V5 = "v5"  # rope_parameters holding rope_theta and rope_type, dtype (transformers 5)
+
+
+@dataclass(frozen=True)
+class CheckpointSpec:
+    """Everything a made checkpoint depends on; validated at construction."""
+
+    arch: str = "llama"
+    size: str = "tiny"
+    seed: int = 0
+    dtype: str = "float32"
+    rope_scaling: RopeScaling = RopeScaling.NONE
+    config_style: ConfigStyle = ConfigStyle.LEGACY
+    vocab_size: int = 4096
+    kv_heads: int | None = None  # None: the preset's
+    sliding_window: int | None = None  # None: the preset's (sliding-window archs only)
+
+    def __post_init__(self) -> None:
+        _require(self.arch in ARCHS, f"arch must be one of {sorted(ARCHS)}, got {self.arch!r}")
+        _require(self.size in PRESETS, f"size must be one of {list(PRESETS)}, got {self.size!r}")
+        _require(self.dtype in DTYPES, f"dtype must be one of {list(DTYPES)}, got {self.dtype!r}")
+        _require(self.seed >= 0, f"seed must be >= 0, got {self.seed}")
+        _require(
+            self.vocab_size >= MIN_VOCAB_SIZE,
+            f"vocab_size must be >= {MIN_VOCAB_SIZE}, got {self.vocab_size}",
+        )
+        heads = self.preset.num_heads
+        _require(
+            self.kv_heads is None or (self.kv_heads >= 1 and heads % self.kv_heads == 0),
+            f"kv_heads must divide num_heads={heads}, got {self.kv_heads}",
+        )
+        _require(
+            self.sliding_window is None or self.arch_spec.has_sliding_window,
+            f"sliding_window needs an arch with sliding-window attention, not {self.arch}",
+        )
+        _require(
+            self.sliding_window is None or self.sliding_window >= 1,
+            f"sliding_window must be >= 1, got {self.sliding_window}",
+        )
+
+    @property
+    def preset(self) -> SizePreset:
+        return PRESETS[self.size]
+
+    @property
+    def arch_spec(self) -> ArchSpec:
+        return ARCHS[self.arch]
+
+    @property
+    def num_kv_heads(self) -> int:
+        return self.preset.num_kv_heads if self.kv_heads is None else self.kv_heads
+
+    @property
+    def head_dim(self) -> int:
+        return self.preset.hidden_size // self.preset.num_heads
+
+    @property
+    def window(self) -> int | None:
+        """The sliding window in tokens, or None for full attention."""
+        if not self.arch_spec.has_sliding_window:
+            return None
+        return self.preset.sliding_window if self.sliding_window is None else self.sliding_window
+
+
+def make_model(
+    out_dir: str | Path,
+    arch: str = "llama",
+    size: str = "tiny",
+    seed: int = 0,
+    dtype: str = "float32",
+    rope_scaling: str = "none",
+    config_style: str = "legacy",
+    vocab_size: int = 4096,
+    kv_heads: int | None = None,
+    sliding_window: int | None = None,
+) -> Path:
+    """Write a random checkpoint to ``out_dir`` (created if needed); return its path."""
+    spec = checkpoint_spec(
+        arch, size, seed, dtype, rope_scaling, config_style, vocab_size, kv_heads, sliding_window
+    )
+    return write_checkpoint(spec, Path(out_dir))
+
+
+def checkpoint_spec(
+    arch: str = "llama",
+    size: str = "tiny",
+    seed: int = 0,
+    dtype: str = "float32",
+    rope_scaling: str = "none",
+    config_style: str = "legacy",
+    vocab_size: int = 4096,
+    kv_heads: int | None = None,
+    sliding_window: int | None = None,
+) -> CheckpointSpec:
+    """A validated ``CheckpointSpec`` from plain values (``ValueError`` names a bad one)."""
+    return CheckpointSpec(
+        arch=arch,
+        size=size,
+        seed=seed,
+        dtype=dtype,
+        rope_scaling=RopeScaling(rope_scaling),
+        config_style=ConfigStyle(config_style),
+        vocab_size=vocab_size,
+        kv_heads=kv_heads,
+        sliding_window=sliding_window,
+    )
+
+
+def write_checkpoint(spec: CheckpointSpec, out_dir: Path) -> Path:
+    return save_checkpoint(spec, out_dir, init_weights(spec))
+
+
+def save_checkpoint(spec: CheckpointSpec, out_dir: Path, weights: dict[str, torch.Tensor]) -> Path:
+    """Write ``weights`` (HF names, any float dtype; stored as ``spec.dtype``) with the
+    configs and tokenizer ``spec`` describes to ``out_dir`` (created if needed)."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    ids = write_tokenizer(out_dir, spec.vocab_size, MAX_POSITION_EMBEDDINGS)
+    _write_json(out_dir / "config.json", hf_config(spec, ids))
+    _write_json(out_dir / "generation_config.json", generation_config(ids))
+    stored = {name: t.detach().to(DTYPES[spec.dtype]).contiguous() for name, t in weights.items()}
+    save_file(stored, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
+    return out_dir
+
+
+def hf_config(spec: CheckpointSpec, ids: TokenIds) -> dict[str, object]:
+    """``config.json`` contents, in the spelling ``spec.config_style`` selects."""
+    arch, preset = spec.arch_spec, spec.preset
+    config: dict[str, object] = {
+        "architectures": [arch.class_name],
+        "model_type": arch.model_type,
+        "vocab_size": spec.vocab_size,
+        "hidden_size": preset.hidden_size,
+        "intermediate_size": preset.intermediate_size,
+        "num_hidden_layers": preset.num_layers,
+        "num_attention_heads": preset.num_heads,
+        "num_key_value_heads": spec.num_kv_heads,
+        "head_dim": spec.head_dim,
+        "hidden_act": "silu",
+        "max_position_embeddings": MAX_POSITION_EMBEDDINGS,
+        "rms_norm_eps": arch.rms_norm_eps,
+        "initializer_range": 0.02,
+        "attention_bias": arch.qkv_bias,
+        "attention_dropout": 0.0,
+        "tie_word_embeddings": arch.tie_word_embeddings,
+        "use_cache": True,
+        "bos_token_id": ids.bos,
+        "eos_token_id": ids.eos,
+        "pad_token_id": ids.pad,
+    }
+    config.update(arch.extra_fields(spec))
+    config.update(_rope_fields(spec))
+    dtype_key = "torch_dtype" if spec.config_style is ConfigStyle.LEGACY else "dtype"
+    config[dtype_key] = spec.dtype
+    return config
+
+
+def generation_config(ids: TokenIds) -> dict[str, object]:
+    """Greedy by default; generation stops at ``<|eos|>`` or the end-of-turn marker."""
+    return {
+        "bos_token_id": ids.bos,
+        "eos_token_id": [ids.eos, ids.end_of_turn],
+        "pad_token_id": ids.pad,
+        "do_sample": False,
+    }
+
+
+def _rope_fields(spec: CheckpointSpec) -> dict[str, object]:
+    theta = spec.arch_spec.rope_theta
+    scaling: dict[str, object] | None
+    if spec.rope_scaling is RopeScaling.LINEAR:
+        scaling = {"rope_type": "linear", "factor": ROPE_SCALING_FACTOR}
+    elif spec.rope_scaling is RopeScaling.LLAMA3:
+        scaling = {
+            "rope_type": "llama3",
+            "factor": ROPE_SCALING_FACTOR,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": LLAMA3_ORIGINAL_MAX_POSITIONS,
+        }
+    else:
+        scaling = None
+    if spec.config_style is ConfigStyle.LEGACY:
+        return {"rope_theta": theta, "rope_scaling": scaling}
+    parameters = scaling or {"rope_type": "default"}
+    return {"rope_parameters": {**parameters, "rope_theta": theta}}
+
+
+def init_weights(spec: CheckpointSpec) -> dict[str, torch.Tensor]:
+    """All tensors in float32 under their HF names (see the module docstring)."""
+    d = spec.preset.hidden_size
+    draw = _Drawer(spec.seed)
+    weights = {
+        "model.embed_tokens.weight": draw.with_std(
+            "model.embed_tokens.weight", (spec.vocab_size, d), 1 / math.sqrt(d)
+        )
+    }
+    for i in range(spec.preset.num_layers):
+        weights.update(_layer_weights(spec, draw, f"model.layers.{i}."))
+    weights["model.norm.weight"] = LOGIT_SCALE * draw.norm_weight("model.norm.weight", d)
+    if not spec.arch_spec.tie_word_embeddings:
+        weights["lm_head.weight"] = draw.with_std(
+            "lm_head.weight", (spec.vocab_size, d), 1 / math.sqrt(d)
+        )
+    return weights
+
+
+def _layer_weights(spec: CheckpointSpec, draw: _Drawer, prefix: str) -> dict[str, torch.Tensor]:
+    d, inner = spec.preset.hidden_size, spec.preset.intermediate_size
+    q_dim, kv_dim = spec.preset.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
+    residual_std = BRANCH_GAIN / math.sqrt(spec.preset.num_layers)
+    plan = {  # name: (shape, std)
+        "self_attn.q_proj.weight": ((q_dim, d), QK_GAIN / math.sqrt(d)),
+        "self_attn.k_proj.weight": ((kv_dim, d), QK_GAIN / math.sqrt(d)),
+        "self_attn.v_proj.weight": ((kv_dim, d), 1 / math.sqrt(d)),
+        "self_attn.o_proj.weight": ((d, q_dim), residual_std / math.sqrt(q_dim)),
+        "mlp.gate_proj.weight": ((inner, d), 1 / math.sqrt(d)),
+        "mlp.up_proj.weight": ((inner, d), 1 / math.sqrt(d)),
+        "mlp.down_proj.weight": ((d, inner), residual_std / math.sqrt(inner)),
+    }
+    if spec.arch_spec.qkv_bias:
+        plan["self_attn.q_proj.bias"] = ((q_dim,), BIAS_STD)
+        plan["self_attn.k_proj.bias"] = ((kv_dim,), BIAS_STD)
+        plan["self_attn.v_proj.bias"] = ((kv_dim,), BIAS_STD)
+    weights = {
+        prefix + n: draw.with_std(prefix + n, shape, std) for n, (shape, std) in plan.items()
+    }
+    for norm in ("input_layernorm.weight", "post_attention_layernorm.weight"):
+        weights[prefix + norm] = draw.norm_weight(prefix + norm, d)
+    return weights
+
+
+class _Drawer:
+    """Machine-independent random tensors, one independent stream per tensor name."""
+
+    def __init__(self, seed: int) -> None:
+        self._seed = seed
+
+    def with_std(self, name: str, shape: tuple[int, ...], std: float) -> torch.Tensor:
+        """Uniform on ``[-std*sqrt(3), std*sqrt(3))``: zero mean, standard deviation ``std``."""
+        return self._uniform(name, shape, std * math.sqrt(3.0))
+
+    def norm_weight(self, name: str, size: int) -> torch.Tensor:
+        return 1.0 + self._uniform(name, (size,), NORM_JITTER)
+
+    def _uniform(self, name: str, shape: tuple[int, ...], bound: float) -> torch.Tensor:
+        stream = np.random.PCG64(np.random.SeedSequence([self._seed, zlib.crc32(name.encode())]))
+        raw = stream.random_raw(math.prod(shape))
+        # Top 24 bits -> exact float32 in [0, 1); then an affine map in float64, rounded once.
+        unit = (raw >> np.uint64(40)).astype(np.float64) * 2.0**-24
+        values = ((2.0 * unit - 1.0) * bound).astype(np.float32)
+        return torch.from_numpy(values.reshape(shape))
+
+
+def _write_json(path: Path, data: dict[str, object]) -> None:
+    path.write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")
+
+
+def _require(ok: bool, message: str) -> None:
+    if not ok:
+        raise ValueError(message)
