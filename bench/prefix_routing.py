@@ -30,9 +30,6 @@ import urllib.request
 from collections.abc import Sequence
 from pathlib import Path
 
-if __package__ in (None, ""):
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
 from tandem.bench.loadgen import PlannedRequest, Report, Slo, run_load, summarize
 from tandem.bench.machine_load import OtherLoad, processes_cpu_s, wait_for_quiet
 from tandem.bench.prefix_workloads import SegmentTokens, Shape, WorkloadSpec, generate

@@ -26,9 +26,6 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-if __package__ in (None, ""):
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
 import grpc
 
 from tandem.cli.launcher import ClusterSpec, LocalCluster

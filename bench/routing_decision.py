@@ -21,10 +21,6 @@ import statistics
 import sys
 import time
 from collections.abc import Sequence
-from pathlib import Path
-
-if __package__ in (None, ""):
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from tandem.bench.machine_load import OtherLoad, wait_for_quiet
 from tandem.common.hashing import hash_blocks

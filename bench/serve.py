@@ -22,9 +22,6 @@ from collections.abc import Sequence
 from dataclasses import asdict
 from pathlib import Path
 
-if __package__ in (None, ""):  # run as a script: make the `bench` package importable
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
 import grpc
 from tqdm import tqdm
 

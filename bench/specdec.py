@@ -35,9 +35,6 @@ import time
 from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 
-if __package__ in (None, ""):
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
 import torch
 
 from tandem.bench.machine_load import OtherLoad

@@ -25,15 +25,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-if __package__ in (None, ""):  # run as a script: make the `bench` package importable
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
 from tandem.bench._runner import EngineLimits, RunnerJob, RunnerResult
 from tandem.bench.workloads import WORKLOADS, TokenPool, WorkloadSpec, make_probe, make_requests
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 SYSTEMS = ("tandem", "hf", "vllm")
-RUNNER_MODULES = {s: f"bench._{s}_runner" for s in SYSTEMS}
+VLLM_RUNNER = Path(__file__).with_name("_vllm_runner.py")
+"""Run by path: vLLM's virtualenv has no Tandem installed (the file bootstraps itself)."""
 PROBE_PROMPT_LEN = 32
 WARMUP_SEED, PROBE_LONG_SEED, PROBE_SHORT_SEED = 1000, 1001, 1002
 
@@ -198,7 +196,8 @@ def _measure(system: str, spec: WorkloadSpec, plan: Plan, pool: TokenPool) -> Ro
     job_path.write_text(json.dumps(_job(system, spec, plan, pool).to_json()))
     result_path.unlink(missing_ok=True)
     python = plan.vllm_python if system == "vllm" else sys.executable
-    cmd = [python, "-m", RUNNER_MODULES[system], str(job_path), str(result_path)]
+    runner = [str(VLLM_RUNNER)] if system == "vllm" else ["-m", f"tandem.bench._{system}_runner"]
+    cmd = [python, *runner, str(job_path), str(result_path)]
     _wait_for_quiet(plan.wait_quiet_s)
     print(f"running {system} on workload {spec.name} (log: {log})", flush=True)
     meter = LoadMeter.start()
@@ -214,7 +213,6 @@ def _child_env(threads: int) -> dict[str, str]:
     env = dict(os.environ)
     for key in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
         env[key] = str(threads)
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
     env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
     return env
 

@@ -24,7 +24,8 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 NUM_NEW = 16
 GREEDY = common_pb2.SamplingParams(max_tokens=NUM_NEW, temperature=0, ignore_eos=True)
-WORKER_ARGS = ("--num-kv-blocks", "256", "--max-num-seqs", "64", "--kv-pull-timeout", "3")
+WORKER_ARGS = ("--num-kv-blocks", "256", "--max-num-seqs", "64")
+DECODE_ARGS = ("--kv-pull-timeout", "3")
 
 
 @pytest.fixture(scope="module")
@@ -35,7 +36,9 @@ def model_dir(make_checkpoint: Callable[..., Path]) -> Path:
 @pytest.fixture(scope="module")
 def cluster(model_dir: Path, redis_url: str, tmp_path_factory) -> Iterator[LocalCluster]:
     logs = tmp_path_factory.mktemp("cluster-logs")
-    spec = cluster_spec(model_dir, redis_url, logs, "e2e", worker_args=WORKER_ARGS)
+    spec = cluster_spec(
+        model_dir, redis_url, logs, "e2e", worker_args=WORKER_ARGS, decode_args=DECODE_ARGS
+    )
     with LocalCluster(spec) as running:
         yield running
 

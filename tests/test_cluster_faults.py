@@ -28,13 +28,12 @@ WORKER_ARGS = (
     "256",
     "--max-num-seqs",
     "64",
-    "--kv-pull-timeout",
-    "2",
     "--registry-ttl",
     "2",
     "--heartbeat-interval",
     "0.5",
 )
+DECODE_ARGS = ("--kv-pull-timeout", "2")
 
 
 @pytest.fixture(scope="module")
@@ -61,6 +60,7 @@ def make_cluster(
             redis_url=redis_url,
             model_name=f"faults-{free_port()}",
             worker_args=WORKER_ARGS,
+            decode_args=DECODE_ARGS,
             router_args=router_args,
             threads_per_worker=1,
             log_dir=tmp_path / "logs",

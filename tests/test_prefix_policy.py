@@ -293,34 +293,34 @@ def test_empty_pool_gives_none_and_bad_weights_are_refused() -> None:
 
 
 def test_router_flags_set_both_pools_costs_over_their_role_defaults() -> None:
-    from tandem.cli.components import _prefix_cost
     from tandem.cli.main import build_parser
+    from tandem.cli.router import prefix_cost
 
     prefill, decode = WorkerRole.PREFILL, WorkerRole.DECODE
     base = ["router", "--model", "m", "--redis-url", "redis://x"]
     args = build_parser().parse_args(base)
     assert args.prefill_policy == args.decode_policy == "prefix_aware"
     for role in (prefill, decode):
-        assert _prefix_cost(role, args) == PrefixCost.default_for(role)
-    assert _prefix_cost(prefill, args).busy_slack == 0.0  # the busy guard is on
-    assert _prefix_cost(decode, args).busy_slack is None  # and off for the decode pool
+        assert prefix_cost(role, args) == PrefixCost.default_for(role)
+    assert prefix_cost(prefill, args).busy_slack == 0.0  # the busy guard is on
+    assert prefix_cost(decode, args).busy_slack is None  # and off for the decode pool
     flags = ["--routing-temperature", "0.5", "--imbalance-limit", "2", "--imbalance-slack", "9"]
     busy = ["--imbalance-busy-slack", "0.02", "--imbalance-busy-limit", "1.5"]
     args = build_parser().parse_args([*base, *flags, *busy, "--idle-choices", "3"])
     for role in (prefill, decode):
-        cost = _prefix_cost(role, args)
+        cost = prefix_cost(role, args)
         assert (cost.temperature, cost.imbalance_limit, cost.imbalance_slack) == (0.5, 2.0, 9.0)
         assert cost.idle_choices == 3
         # the role's own weights stay
         assert cost.decode_weight == PrefixCost.default_for(role).decode_weight
-    assert (_prefix_cost(prefill, args).busy_slack, _prefix_cost(prefill, args).busy_limit) == (
+    assert (prefix_cost(prefill, args).busy_slack, prefix_cost(prefill, args).busy_limit) == (
         0.02,
         1.5,
     )
-    assert _prefix_cost(decode, args).busy_slack is None  # prefill pool only
+    assert prefix_cost(decode, args).busy_slack is None  # prefill pool only
     args = build_parser().parse_args(
         [*base, "--imbalance-busy-slack", "0", "--imbalance-busy-slack", "off"]
     )
-    assert _prefix_cost(prefill, args).busy_slack is None
+    assert prefix_cost(prefill, args).busy_slack is None
     with pytest.raises(SystemExit):
         build_parser().parse_args([*base, "--imbalance-busy-slack", "sometimes"])

@@ -6,9 +6,9 @@ Runs ``LLMEngine`` in this process on a random ``tandem make-model`` checkpoint 
 in a temporary directory) and times single engine steps: prefill steps of 1-1,000 new
 tokens after 0 or 1,024 cached ones, and decode steps of 1-64 sequences at contexts of
 128 and 1,024 tokens (median of repeats). A non-negative least-squares fit gives the
-coefficients of ``tandem.bench.sim.calibration.Calibration``. The KV pull cost is not measured
-here: it uses ``bench/kvtransfer.py``'s figures in the README (about 1 GB/s for pulls of
-a few MiB, plus a 1.5 ms call).
+coefficients of ``tandem.bench.sim.calibration.Calibration``. The KV pull cost is not
+measured here: it uses ``bench/kvtransfer.py``'s figures (``docs/benchmarks/kvtransfer.md``:
+about 1 GB/s for pulls of a few MiB, plus a 1.5 ms call).
 """
 
 from __future__ import annotations
@@ -20,9 +20,6 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-
-if __package__ in (None, ""):
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import numpy as np
 

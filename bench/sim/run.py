@@ -25,14 +25,11 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-if __package__ in (None, ""):
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-
 from tandem.bench.machine_load import OtherLoad, wait_for_quiet
 from tandem.bench.prefix_workloads import Shape, WorkloadSpec, generate
 from tandem.bench.sim.calibration import Calibration
 from tandem.bench.sim.fleet import ROUTERS, FleetSim, FleetSpec, SimResult
-from tandem.cli.components import float_or_off
+from tandem.cli.options import float_or_off
 from tandem.common.registry import WorkerRole
 from tandem.router.routing.prefix_aware import PrefixCost
 

@@ -48,7 +48,7 @@ sequence (the batch the request joins).
   chooses the same. Four independent draws by default: on the nearly idle 500-worker
   pool of the skewed workload, two evenly spaced ones gave a queue imbalance of
   1.25-1.33 over five runs, four independent ones 1.18-1.25 over three seeds (see the
-  README).
+  docs/benchmarks/routing.md).
   Temperature ``T > 0``: a draw among the ``softmax_candidates`` cheapest with
   probability proportional to ``exp(-(cost - min cost) / (T * w_uncached * P))``. The
   uniform number comes from BLAKE2b of the request id, so every router replica draws

@@ -12,6 +12,8 @@ import argparse
 import sys
 from typing import TYPE_CHECKING, TextIO
 
+from tandem.cli.options import add_command
+
 if TYPE_CHECKING:  # gRPC and the stubs load only when the command runs: `--help` stays instant
     from tandem.common.client import StreamTiming
     from tandem.protos import common_pb2, generation_pb2
@@ -21,20 +23,23 @@ EXIT_INTERRUPTED = 130
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
-    p = subparsers.add_parser(
+    p = add_command(
+        subparsers,
         "generate",
-        help="stream a completion from a running Tandem router",
-        description=__doc__.splitlines()[0],
+        "stream a completion from a running Tandem router",
+        __doc__.splitlines()[0],
     )
     p.add_argument("prompt", help="the prompt text (with --chat: the user's message)")
     p.add_argument("--addr", required=True, metavar="HOST:PORT", help="the router's HOST:PORT")
     p.add_argument("--chat", action="store_true", help="send the prompt as one user chat turn")
-    p.add_argument("--model", default="", help="model name to check against the served one")
-    p.add_argument("--max-tokens", type=int, metavar="N")
+    p.add_argument(
+        "--model", default="", help="model name to check against the served one (default: any)"
+    )
+    p.add_argument("--max-tokens", type=int, metavar="N", help="most tokens to generate")
     p.add_argument("--temperature", type=float, metavar="T", help="0 means greedy")
-    p.add_argument("--top-p", type=float, metavar="P")
-    p.add_argument("--top-k", type=int, metavar="K")
-    p.add_argument("--seed", type=int, metavar="N")
+    p.add_argument("--top-p", type=float, metavar="P", help="nucleus sampling: keep mass P")
+    p.add_argument("--top-k", type=int, metavar="K", help="sample among the K likeliest tokens")
+    p.add_argument("--seed", type=int, metavar="N", help="seed for reproducible sampling")
     p.add_argument(
         "--stop", action="append", default=[], metavar="TEXT", help="stop string (repeatable)"
     )

@@ -1,37 +1,40 @@
 """The ``tandem`` command line.
 
-Each subcommand lives in the module that owns it and registers itself through a small
-``add_parser(subparsers)`` function; this file only wires them together, and imports
-the heavy ones (torch, gRPC) lazily so ``tandem --help`` stays instant.
+Each subcommand lives in its own module and registers itself with ``add_parser``; this
+file only wires them together. The modules import their component (torch, the router,
+the workers) only when the command runs, so ``tandem --help`` stays instant.
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib
 import sys
 from collections.abc import Sequence
 
-# (subcommand module, attribute holding its `add_parser`) — each module imported on demand.
-_SUBCOMMANDS: tuple[str, ...] = (
-    "tandem.cli.make_model",
-    "tandem.cli.generate",
-    "tandem.cli.components",
-    "tandem.cli.serve",
-)
+from tandem.cli import generate, make_model, router, serve, worker
+
+_SUBCOMMANDS = (serve, router, worker, generate, make_model)
+"""In the order ``tandem --help`` lists them."""
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tandem", description=__doc__.splitlines()[0])
-    subparsers = parser.add_subparsers(dest="command", required=True)
-    for module_name in _SUBCOMMANDS:
-        importlib.import_module(module_name).add_parser(subparsers)
+    parser.add_argument("--version", action="version", version=_version())
+    subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for module in _SUBCOMMANDS:
+        module.add_parser(subparsers)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     return int(args.run(args) or 0)
+
+
+def _version() -> str:
+    from tandem import __version__
+
+    return f"tandem {__version__}"
 
 
 if __name__ == "__main__":

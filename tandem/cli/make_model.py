@@ -18,6 +18,8 @@ import sys
 import time
 from typing import TYPE_CHECKING
 
+from tandem.cli.options import add_command
+
 if TYPE_CHECKING:
     from tandem.tools.checkpoint_maker import CheckpointSpec
 
@@ -30,13 +32,14 @@ DEFAULT_TRAIN_MINUTES = 10.0
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
-    p = subparsers.add_parser(
+    p = add_command(
+        subparsers,
         "make-model",
-        help="write a random-weight or stdlib-trained HuggingFace checkpoint (no download)",
-        description=__doc__.splitlines()[0],
+        "write a random-weight or stdlib-trained HuggingFace checkpoint (no download)",
+        __doc__.splitlines()[0],
     )
     p.add_argument("out_dir", help="directory to write (created if missing)")
-    p.add_argument("--arch", choices=ARCHS, default="llama")
+    p.add_argument("--arch", choices=ARCHS, default="llama", help="model family")
     p.add_argument(
         "--size",
         "--preset",
@@ -44,16 +47,18 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         choices=SIZES,
         help="size preset (default: tiny; trained-target when training)",
     )
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--dtype", choices=DTYPES, default="float32")
-    p.add_argument("--rope-scaling", choices=ROPE_SCALINGS, default="none")
+    p.add_argument("--seed", type=int, default=0, help="seed for the weights (and training)")
+    p.add_argument("--dtype", choices=DTYPES, default="float32", help="storage dtype")
+    p.add_argument(
+        "--rope-scaling", choices=ROPE_SCALINGS, default="none", help="RoPE scaling written"
+    )
     p.add_argument(
         "--config-style",
         choices=CONFIG_STYLES,
         default="legacy",
         help="legacy: rope_theta + rope_scaling; v5: rope_parameters (transformers 5)",
     )
-    p.add_argument("--vocab-size", type=int, default=4096)
+    p.add_argument("--vocab-size", type=int, default=4096, help="tokenizer vocabulary size")
     p.add_argument("--kv-heads", type=int, default=None, help="override the preset's KV heads")
     p.add_argument(
         "--sliding-window", type=int, default=None, help="override the window (mistral only)"
@@ -72,7 +77,9 @@ def _add_training_arguments(p: argparse.ArgumentParser) -> None:
         help="train a target (--preset) and a draft (--draft-preset) on the same corpus "
         "into OUT_DIR/target and OUT_DIR/draft",
     )
-    g.add_argument("--draft-preset", choices=SIZES, default="trained-draft")
+    g.add_argument(
+        "--draft-preset", choices=SIZES, default="trained-draft", help="--train-pair: draft size"
+    )
     g.add_argument(
         "--train-minutes",
         type=float,

@@ -14,6 +14,8 @@ import threading
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from tandem.cli.options import SPECULATIVE_METHODS, add_command, positive_int
+
 if TYPE_CHECKING:
     from tandem.cli.launcher import LocalCluster
 
@@ -21,32 +23,63 @@ DEMO_PROMPT = "def fibonacci(n):"
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
-    serve = subparsers.add_parser("serve", help="run router + prefill + decode workers here")
+    serve = add_command(
+        subparsers,
+        "serve",
+        "run a whole cluster here: embedded Redis, prefill + decode workers, the router",
+        __doc__.splitlines()[0],
+    )
     serve.add_argument("--model", help="checkpoint directory (default: the built-in trained model)")
-    serve.add_argument("--model-name")
-    serve.add_argument("--prefill-workers", type=int, default=1)
-    serve.add_argument("--decode-workers", type=int, default=1)
-    serve.add_argument("--port", type=int, default=50051)
-    serve.add_argument("--host", default="127.0.0.1")
-    serve.add_argument("--redis-url", help="default: start an embedded Redis")
+    serve.add_argument("--model-name", help="served model name (default: the directory's name)")
+    serve.add_argument(
+        "--prefill-workers", type=int, default=1, help="prefill worker processes (0: none)"
+    )
+    serve.add_argument("--decode-workers", type=positive_int, default=1, help="decode workers")
+    serve.add_argument("--port", type=int, default=50051, help="the router's gRPC port")
+    serve.add_argument("--host", default="127.0.0.1", help="address every process listens on")
+    serve.add_argument("--redis-url", help="an existing Redis (default: start an embedded one)")
     serve.add_argument("--log-dir", type=Path, help="one log file per process (default: echo)")
     serve.add_argument("--demo", action="store_true", help="answer a sample request, then stop")
-    serve.add_argument(
+    extra = serve.add_argument_group(
+        "pass-through flags", "Repeatable; each value is one flag of the component's command."
+    )
+    extra.add_argument(
         "--worker-arg",
         action="append",
         default=[],
         help="extra flag for every worker, e.g. --worker-arg=--max-num-seqs=64",
     )
-    serve.add_argument("--prefill-worker-arg", action="append", default=[])
-    serve.add_argument("--decode-worker-arg", action="append", default=[])
-    serve.add_argument("--router-arg", action="append", default=[])
+    extra.add_argument(
+        "--prefill-worker-arg",
+        action="append",
+        default=[],
+        help="extra flag for prefill workers (see tandem prefill-worker --help)",
+    )
+    extra.add_argument(
+        "--decode-worker-arg",
+        action="append",
+        default=[],
+        help="extra flag for decode workers (see tandem decode-worker --help)",
+    )
+    extra.add_argument(
+        "--router-arg",
+        action="append",
+        default=[],
+        help="extra flag for the router (see tandem router --help)",
+    )
     spec = serve.add_argument_group(
         "speculative decoding (decode workers)",
         "Off unless asked for; with the default model, --speculative-method draft uses "
         "its trained draft.",
     )
-    spec.add_argument("--speculative-method", choices=("ngram", "draft", "none"))
-    spec.add_argument("--num-speculative-tokens", type=int, help="most drafts per step (k)")
+    spec.add_argument(
+        "--speculative-method",
+        choices=(*SPECULATIVE_METHODS, "none"),
+        help="proposer for the decode workers (none: off, even with --draft-model)",
+    )
+    spec.add_argument(
+        "--num-speculative-tokens", type=positive_int, help="most drafts per step (k)"
+    )
     spec.add_argument("--draft-model", help="draft checkpoint (implies --speculative-method draft)")
     serve.set_defaults(run=_run)
 
@@ -91,7 +124,7 @@ def _speculative_args(args: argparse.Namespace) -> list[str]:
     """Decode-worker flags for speculative decoding; the default model brings its draft.
 
     Off by default: on CPU-sized models a draft's step is mostly fixed overhead, and
-    speculating is slower at batch 1 (README, bench/specdec.py)."""
+    speculating is slower at batch 1 (docs/benchmarks/specdec.md)."""
     method, draft = args.speculative_method, args.draft_model
     if method == "none":
         return []

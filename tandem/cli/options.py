@@ -1,0 +1,87 @@
+"""What the commands share: the help format, the flags every server process takes, and
+flag types. Torch-free, so ``tandem --help`` stays instant.
+
+Enumerations are spelled out here rather than read from the engine (which imports
+torch); ``tests/test_cli.py`` checks that they match the engine's own enums.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+ATTENTION_BACKENDS = ("cpu", "sdpa", "torch", "flash")
+LINEAR_BACKENDS = ("onednn", "torch")
+SPECULATIVE_METHODS = ("ngram", "draft")
+_DEVICE = re.compile(r"auto|cpu|cuda(:\d+)?")
+
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Appends ``(default: X)`` to a flag's help where the default is a value. A flag
+    whose default is ``None`` ("decided elsewhere", e.g. by the engine from the machine),
+    a switch that is off, and a help text that already names its default are left as
+    written."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        unset = action.default is None or action.default is False or action.default in ("", [])
+        if unset or action.default is argparse.SUPPRESS or "default" in text:
+            return text
+        return super()._get_help_string(action)
+
+
+def add_command(
+    subparsers: argparse._SubParsersAction, name: str, summary: str, description: str = ""
+) -> argparse.ArgumentParser:
+    """A subcommand with the shared help format."""
+    return subparsers.add_parser(
+        name, help=summary, description=description or summary, formatter_class=HelpFormatter
+    )
+
+
+def add_server_options(parser: argparse.ArgumentParser) -> None:
+    """Flags every server process (router and workers) takes."""
+    g = parser.add_argument_group("model and cluster")
+    g.add_argument("--model", required=True, help="HuggingFace checkpoint directory")
+    g.add_argument("--model-name", help="served model name (default: the directory's name)")
+    g.add_argument(
+        "--redis-url",
+        default=os.environ.get("TANDEM_REDIS_URL"),
+        help="Redis holding the worker registry and KV events (default: $TANDEM_REDIS_URL)",
+    )
+    g.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    g.add_argument("--log-level", default="INFO", choices=LOG_LEVELS, help="logging threshold")
+
+
+def require_redis(args: argparse.Namespace) -> None:
+    if not args.redis_url:
+        raise SystemExit(
+            "error: --redis-url is required (or run the whole cluster with `tandem serve`)"
+        )
+
+
+def device(text: str) -> str:
+    """``auto``, ``cpu``, ``cuda`` or ``cuda:N``."""
+    if not _DEVICE.fullmatch(text):
+        raise argparse.ArgumentTypeError(f"expected auto, cpu, cuda or cuda:N, got {text!r}")
+    return text
+
+
+def positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text}")
+    return value
+
+
+def float_or_off(text: str) -> float | str:
+    """A number, or the word 'off' (a flag that turns a guard off)."""
+    if text == "off":
+        return text
+    try:
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number or 'off', got {text!r}") from None

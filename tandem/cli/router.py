@@ -1,0 +1,161 @@
+"""``tandem router``: the gRPC front door, one process (as a Kubernetes pod runs it).
+
+Argument parsing is torch-free; ``tandem.router`` is imported only when the command
+runs. The prefix-aware flags set both pools' costs over their role's defaults
+(``PrefixCost.default_for``); the busy-guard flags apply to the prefill pool only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import logging
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from tandem.cli.options import (
+    add_command,
+    add_server_options,
+    float_or_off,
+    positive_int,
+    require_redis,
+)
+
+if TYPE_CHECKING:
+    from tandem.common.registry import WorkerRole
+    from tandem.router.routing.prefix_aware import PrefixCost
+
+POLICIES = ("round_robin", "least_loaded", "prefix_aware")
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    router = add_command(subparsers, "router", "run the gRPC router")
+    add_server_options(router)
+    router.add_argument("--port", type=int, default=50051, help="gRPC port of the public API")
+    router.add_argument(
+        "--metrics-port", type=int, help="serve Prometheus GET /metrics here (0: any free port)"
+    )
+    router.add_argument(
+        "--disaggregation-min-tokens",
+        type=int,
+        default=32,
+        help="shorter prompts are prefilled by the decode worker itself",
+    )
+    router.add_argument(
+        "--max-pending-requests",
+        type=positive_int,
+        default=1024,
+        help="requests admitted at once; more get RESOURCE_EXHAUSTED",
+    )
+    router.add_argument(
+        "--max-model-len",
+        type=positive_int,
+        help="longest prompt + output accepted (default: the checkpoint's context)",
+    )
+    _add_routing_options(router)
+    router.set_defaults(run=run)
+
+
+def _add_routing_options(router: argparse.ArgumentParser) -> None:
+    g = router.add_argument_group("routing", "The prefix_aware flags: see docs/routing.md.")
+    g.add_argument(
+        "--prefill-policy", default="prefix_aware", choices=POLICIES, help="prefill pool"
+    )
+    g.add_argument("--decode-policy", default="prefix_aware", choices=POLICIES, help="decode pool")
+    g.add_argument(
+        "--routing-temperature",
+        type=float,
+        default=0.0,
+        help="prefix_aware: soften the least-cost choice (0: always the cheapest)",
+    )
+    g.add_argument(
+        "--imbalance-limit",
+        type=float,
+        default=1.25,
+        help="prefix_aware: a worker loaded above this multiple of the pool mean (plus a "
+        "slack) gets no credit for its cached prefix",
+    )
+    g.add_argument(
+        "--imbalance-slack",
+        type=float,
+        help="prefix_aware: the load a worker may carry above the limit before the guard "
+        "applies (default: 256 queued prefill tokens; decode pool: 64)",
+    )
+    g.add_argument(
+        "--imbalance-busy-limit",
+        type=float,
+        help="prefix_aware: the busy guard's multiple of the pool's mean busy share (default: 1.1)",
+    )
+    g.add_argument(
+        "--imbalance-busy-slack",
+        type=float_or_off,
+        help="prefix_aware: also void affinity for a worker whose recent busy share (from "
+        "its heartbeats) exceeds the busy limit x the pool mean + this, for prefixes at least "
+        "two workers hold; 'off' turns it off (default: 0 for the prefill pool, off for "
+        "the decode pool)",
+    )
+    g.add_argument(
+        "--idle-choices",
+        type=positive_int,
+        help="prefix_aware: idle workers drawn per request for a tied choice, the least "
+        "busy lately of them wins (default: 4)",
+    )
+
+
+def prefix_cost(role: WorkerRole, args: argparse.Namespace) -> PrefixCost:
+    """A pool's prefix-aware cost: its role's defaults with the flags given applied. The
+    busy guard flags apply to the prefill pool only (a decode worker with any sequence
+    steps all the time, so its busy share says little)."""
+    from tandem.common.registry import WorkerRole
+    from tandem.router.routing.prefix_aware import PrefixCost
+
+    defaults = PrefixCost.default_for(role)
+    slack = defaults.imbalance_slack if args.imbalance_slack is None else args.imbalance_slack
+    cost = dataclasses.replace(
+        defaults,
+        temperature=args.routing_temperature,
+        imbalance_limit=args.imbalance_limit,
+        imbalance_slack=slack,
+        idle_choices=defaults.idle_choices if args.idle_choices is None else args.idle_choices,
+    )
+    if role is not WorkerRole.PREFILL:
+        return cost
+    busy, busy_limit = args.imbalance_busy_slack, args.imbalance_busy_limit
+    return dataclasses.replace(
+        cost,
+        busy_slack=cost.busy_slack if busy is None else None if busy == "off" else busy,
+        busy_limit=cost.busy_limit if busy_limit is None else busy_limit,
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    from tandem.common.registry import WorkerRole
+    from tandem.router.main import RouterOptions, run
+    from tandem.router.routing.policy import PolicyName
+
+    require_redis(args)
+    logging.basicConfig(level=args.log_level)
+    try:
+        prefill_cost, decode_cost = (
+            prefix_cost(role, args) for role in (WorkerRole.PREFILL, WorkerRole.DECODE)
+        )
+    except ValueError as err:
+        raise SystemExit(f"error: {err}") from err
+    options = RouterOptions(
+        model_dir=args.model,
+        model_name=args.model_name or Path(args.model).resolve().name,
+        redis_url=args.redis_url,
+        host=args.host,
+        port=args.port,
+        prefill_policy=PolicyName(args.prefill_policy),
+        decode_policy=PolicyName(args.decode_policy),
+        prefill_cost=prefill_cost,
+        decode_cost=decode_cost,
+        disaggregation_min_tokens=args.disaggregation_min_tokens,
+        max_pending_requests=args.max_pending_requests,
+        max_model_len=args.max_model_len,
+        metrics_port=args.metrics_port,
+    )
+    asyncio.run(run(options))
+    return 0

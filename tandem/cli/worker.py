@@ -1,0 +1,188 @@
+"""``tandem prefill-worker`` and ``tandem decode-worker``: one worker per process.
+
+Each role takes only the flags it uses: both take the engine's, a prefill worker its KV
+lease, a decode worker its KV pull timeout and speculative decoding. Engine flags left
+out are not passed, so ``EngineConfig``'s defaults (stated in each flag's help) apply.
+Argument parsing is torch-free; the worker's package is imported when it runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from tandem.cli.options import (
+    ATTENTION_BACKENDS,
+    DTYPES,
+    LINEAR_BACKENDS,
+    SPECULATIVE_METHODS,
+    add_command,
+    add_server_options,
+    device,
+    positive_int,
+    require_redis,
+)
+
+
+@dataclass(frozen=True)
+class EngineFlag:
+    """A command-line flag for one ``EngineConfig`` field (``--max-num-seqs`` sets
+    ``max_num_seqs``). Its default is the engine's, stated in ``help``."""
+
+    flag: str
+    type: Callable[[str], Any]
+    help: str
+    choices: tuple[str, ...] | None = None
+
+    @property
+    def field(self) -> str:
+        return self.flag.replace("-", "_")
+
+
+ENGINE_FLAGS: tuple[EngineFlag, ...] = (
+    EngineFlag("dtype", str, "compute dtype (default: auto, the checkpoint's)", DTYPES),
+    EngineFlag("device", device, "auto, cpu, cuda or cuda:N (default: auto, CUDA if present)"),
+    EngineFlag("block-size", positive_int, "tokens per KV block (default: 16; 256 with flash)"),
+    EngineFlag("num-kv-blocks", positive_int, "exact KV pool size in blocks (overrides memory)"),
+    EngineFlag(
+        "kv-cache-memory-gb",
+        float,
+        "KV pool budget (default: 4 GiB on CPU, 90%% of free memory on GPU)",
+    ),
+    EngineFlag("max-num-seqs", positive_int, "most sequences batched per step (default: 128)"),
+    EngineFlag(
+        "max-num-batched-tokens",
+        positive_int,
+        "token budget per step (default: 1024 on CPU, 8192 on GPU)",
+    ),
+    EngineFlag(
+        "max-model-len",
+        positive_int,
+        "longest prompt + output (default: the checkpoint's max_position_embeddings)",
+    ),
+    EngineFlag(
+        "attention-backend",
+        str,
+        "attention implementation (default: the best available)",
+        ATTENTION_BACKENDS,
+    ),
+    EngineFlag(
+        "linear-backend",
+        str,
+        "matrix products: pre-packed oneDNN or plain torch (default: onednn where it works)",
+        LINEAR_BACKENDS,
+    ),
+    EngineFlag(
+        "num-threads",
+        positive_int,
+        "torch threads on CPU (default: torch's; `tandem serve` shares the cores)",
+    ),
+    EngineFlag("seed", int, "seed for requests that sample without one (default: 0)"),
+)
+SPECULATIVE_FLAGS: tuple[EngineFlag, ...] = (
+    EngineFlag(
+        "speculative-method",
+        str,
+        "default proposer for speculative decoding (default: off, or draft with --draft-model)",
+        SPECULATIVE_METHODS,
+    ),
+    EngineFlag(
+        "num-speculative-tokens", positive_int, "most tokens proposed per step (default: 4)"
+    ),
+    EngineFlag("draft-model", str, "draft checkpoint, same tokenizer (implies draft)"),
+    EngineFlag("ngram-max-n", positive_int, "longest n-gram prompt lookup matches (default: 4)"),
+)
+ROLE_ENGINE_FLAGS: dict[str, tuple[EngineFlag, ...]] = {
+    "prefill": ENGINE_FLAGS,
+    "decode": (*ENGINE_FLAGS, *SPECULATIVE_FLAGS),
+}
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    prefill = _add_worker(subparsers, "prefill")
+    prefill.add_argument(
+        "--lease-ttl",
+        type=float,
+        default=30.0,
+        help="seconds a prefilled request's KV waits to be pulled before it is freed",
+    )
+    decode = _add_worker(subparsers, "decode")
+    decode.add_argument(
+        "--kv-pull-timeout",
+        type=float,
+        default=10.0,
+        help="seconds a KV pull may take before the worker prefills the prompt itself",
+    )
+
+
+def _add_worker(subparsers: argparse._SubParsersAction, role: str) -> argparse.ArgumentParser:
+    worker = add_command(subparsers, f"{role}-worker", f"run one {role} worker")
+    add_server_options(worker)
+    worker.add_argument("--port", type=int, default=0, help="gRPC port (0: any free port)")
+    worker.add_argument("--worker-id", help="registry id (default: <role>-<random hex>)")
+    worker.add_argument(
+        "--advertise-host", help="host others use to reach this worker (default: --host)"
+    )
+    worker.add_argument(
+        "--registry-ttl",
+        type=float,
+        default=3.0,
+        help="seconds the registry keeps this worker after its last heartbeat",
+    )
+    worker.add_argument(
+        "--heartbeat-interval",
+        type=float,
+        default=1.0,
+        help="seconds between registry heartbeats (each carries the worker's load)",
+    )
+    engine = worker.add_argument_group("engine")
+    speculative = worker.add_argument_group("speculative decoding")
+    for spec in ROLE_ENGINE_FLAGS[role]:
+        group = speculative if spec in SPECULATIVE_FLAGS else engine
+        group.add_argument(f"--{spec.flag}", type=spec.type, choices=spec.choices, help=spec.help)
+    worker.set_defaults(run=run, role=role)
+    return worker
+
+
+def engine_settings(args: argparse.Namespace) -> dict[str, object]:
+    """The ``EngineConfig`` fields given on the command line (the rest keep defaults)."""
+    flags = ROLE_ENGINE_FLAGS[args.role]
+    return {f.field: getattr(args, f.field) for f in flags if getattr(args, f.field) is not None}
+
+
+def run(args: argparse.Namespace) -> int:
+    from tandem.common.registry import WorkerRole
+    from tandem.common.worker_host import WorkerOptions
+
+    require_redis(args)
+    logging.basicConfig(level=args.log_level)
+    prefill = args.role == "prefill"
+    role_options = (
+        {"lease_ttl_s": args.lease_ttl} if prefill else {"kv_pull_timeout_s": args.kv_pull_timeout}
+    )
+    options = WorkerOptions(
+        role=WorkerRole(args.role),
+        model_dir=args.model,
+        model_name=args.model_name or Path(args.model).resolve().name,
+        worker_id=args.worker_id or f"{args.role}-{uuid.uuid4().hex[:8]}",
+        redis_url=args.redis_url,
+        host=args.host,
+        port=args.port,
+        advertise_host=args.advertise_host,
+        engine=engine_settings(args),
+        registry_ttl_s=args.registry_ttl,
+        heartbeat_interval_s=args.heartbeat_interval,
+        **role_options,
+    )
+    if prefill:
+        from tandem.prefill_worker.main import run as run_worker
+    else:
+        from tandem.decode_worker.main import run as run_worker
+    asyncio.run(run_worker(options))
+    return 0

@@ -1,0 +1,105 @@
+"""The ``tandem`` command line: every flag documented, enumerations checked against the
+engine's own, each role taking only its flags, defaults shown in ``--help``."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import re
+
+import pytest
+
+from tandem.cli import options, worker
+from tandem.cli.main import build_parser
+from tandem.common.sampling_params import SpecMethod
+from tandem.engine.attention.base import AttentionBackendKind
+from tandem.engine.config import _DTYPES, EngineConfig
+from tandem.engine.layers.linear import LinearBackend
+
+SERVER = ["--model", "m", "--redis-url", "redis://x"]
+
+
+def _subcommands() -> dict[str, argparse.ArgumentParser]:
+    parser = build_parser()
+    (sub,) = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    return dict(sub.choices)
+
+
+def _parse_error(argv: list[str], capsys: pytest.CaptureFixture[str]) -> str:
+    with pytest.raises(SystemExit) as exit_info:
+        build_parser().parse_args(argv)
+    assert exit_info.value.code == 2
+    return capsys.readouterr().err
+
+
+def test_every_flag_of_every_command_has_help_text() -> None:
+    commands = _subcommands()
+    assert set(commands) == {
+        "serve",
+        "router",
+        "prefill-worker",
+        "decode-worker",
+        "generate",
+        "make-model",
+    }
+    for name, parser in commands.items():
+        for action in parser._actions:
+            if not isinstance(action, argparse._HelpAction):
+                assert action.help, f"tandem {name}: {action.option_strings or action.dest}"
+
+
+def test_enumerations_match_the_engine() -> None:
+    assert set(options.DTYPES) == {"auto", *_DTYPES}
+    assert set(options.ATTENTION_BACKENDS) == {k.value for k in AttentionBackendKind}
+    assert set(options.LINEAR_BACKENDS) == {k.value for k in LinearBackend}
+    assert set(options.SPECULATIVE_METHODS) == {m.value for m in SpecMethod}
+
+
+def test_engine_flags_name_engine_fields_and_state_their_defaults() -> None:
+    fields = {f.name: f for f in dataclasses.fields(EngineConfig)}
+    for flag in worker.ROLE_ENGINE_FLAGS["decode"]:
+        assert flag.field in fields, flag.flag
+        default = fields[flag.field].default
+        stated = re.search(r"\(default: ([\w.]+)", flag.help)
+        if isinstance(default, str):
+            assert stated is not None and stated.group(1) == default, flag.flag
+        elif isinstance(default, (int, float)) and not isinstance(default, bool):
+            assert stated is not None and float(stated.group(1)) == default, flag.flag
+
+
+def test_each_role_takes_only_its_own_flags(capsys: pytest.CaptureFixture[str]) -> None:
+    decode_only = ["--speculative-method", "ngram", "--kv-pull-timeout", "3"]
+    err = _parse_error(["prefill-worker", *SERVER, *decode_only], capsys)
+    assert "unrecognized arguments: --speculative-method ngram --kv-pull-timeout 3" in err
+    assert "--lease-ttl" in _parse_error(["decode-worker", *SERVER, "--lease-ttl", "5"], capsys)
+    assert "--num-kv-blocks" in _parse_error(["router", *SERVER, "--num-kv-blocks", "8"], capsys)
+    prefill = build_parser().parse_args(["prefill-worker", *SERVER, "--lease-ttl", "5"])
+    decode = build_parser().parse_args(["decode-worker", *SERVER, *decode_only])
+    assert (prefill.lease_ttl, decode.kv_pull_timeout) == (5.0, 3.0)
+
+
+def test_bad_enumerated_values_are_refused_by_name(capsys: pytest.CaptureFixture[str]) -> None:
+    err = _parse_error(["decode-worker", *SERVER, "--dtype", "float64"], capsys)
+    assert "invalid choice: 'float64'" in err and "bfloat16" in err
+    err = _parse_error(["decode-worker", *SERVER, "--device", "gpu"], capsys)
+    assert "expected auto, cpu, cuda or cuda:N, got 'gpu'" in err
+    assert "--log-level" in _parse_error(["router", *SERVER, "--log-level", "loud"], capsys)
+    err = _parse_error(["decode-worker", *SERVER, "--max-num-seqs", "0"], capsys)
+    assert "--max-num-seqs: expected an integer >= 1, got 0" in err
+
+
+def test_only_the_engine_flags_given_reach_the_engine() -> None:
+    args = build_parser().parse_args(
+        ["decode-worker", *SERVER, "--device", "cuda:1", "--max-num-seqs", "8", "--seed", "0"]
+    )
+    assert worker.engine_settings(args) == {"device": "cuda:1", "max_num_seqs": 8, "seed": 0}
+    EngineConfig(model="m", **worker.engine_settings(args))  # all valid engine fields
+
+
+def test_help_shows_defaults(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["router", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "gRPC port of the public API (default: 50051)" in text
+    assert "(default: prefix_aware)" in text
+    assert "(default: None)" not in text
