@@ -18,6 +18,7 @@ from tandem.router.kv_index.consumer import KVEventConsumer, grpc_snapshot_fetch
 from tandem.router.kv_index.indexer import KVIndexer
 from tandem.router.metrics import RouterMetrics, render_metrics
 from tandem.router.orchestrator import Orchestrator, OrchestratorConfig
+from tandem.router.readiness import ReadinessRule, ReadinessTracker
 from tandem.router.routing.inflight import InflightLoad
 from tandem.router.routing.policy import PolicyName, make_policy
 from tandem.router.routing.prefix_aware import PrefixCost
@@ -44,6 +45,8 @@ class RouterOptions:
     max_model_len: int | None = None
     metrics_port: int | None = None
     """Serve Prometheus ``GET /metrics`` here (0: a free port); ``None``: no endpoint."""
+    readiness: ReadinessRule = ReadinessRule()
+    """Worker counts below which the router reports ``NOT_SERVING``."""
 
 
 @dataclass
@@ -82,12 +85,15 @@ async def run(
         )
         await consumer.start()  # before the registry's first read, whose joins snapshot
     background: set[asyncio.Task[None]] = set()
+    readiness = ReadinessTracker(options.readiness, lambda role: len(watcher.workers(role)))
 
     def on_join(worker: WorkerRecord) -> None:
+        readiness.update()
         if consumer is not None:
             consumer.worker_joined(worker)
 
     def on_leave(worker: WorkerRecord) -> None:
+        readiness.update()
         if consumer is not None:
             consumer.worker_left(worker)
         inflight.forget(worker.info.worker_id)
@@ -120,7 +126,9 @@ async def run(
         options.port,
         [lambda s: generation_pb2_grpc.add_GenerationServicer_to_server(service, s)],
         [generation_pb2.DESCRIPTOR.services_by_name["Generation"].full_name],
+        ready=False,
     )
+    await readiness.attach(server.set_serving)
     metrics_server = None
     metrics_port = None
     if options.metrics_port is not None:

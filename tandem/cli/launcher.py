@@ -2,8 +2,9 @@
 a URL is given), N prefill workers, M decode workers and a router.
 
 Used by ``tandem serve`` and by the end-to-end tests. ``start()`` returns once every
-process reported ready *and* the router sees every worker in the registry; ``stop()``
-sends SIGTERM to all (each deregisters and drains), then SIGKILL after a grace period.
+process reported ready, the router sees every worker in the registry *and* its gRPC
+health (its readiness) says ``SERVING``; ``stop()`` sends SIGTERM to all (each
+deregisters and drains), then SIGKILL after a grace period.
 Children's output goes to one log file per process (``log_dir``) or is echoed with a
 ``[name]`` prefix.
 """
@@ -22,6 +23,7 @@ from pathlib import Path
 from typing import TextIO
 
 import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from tandem.common.redis_server import EmbeddedRedis
 from tandem.protos import generation_pb2, generation_pb2_grpc
@@ -99,6 +101,7 @@ class LocalCluster:
             )
             self.wait_ready(list(self.children), timeout_s)
             self.wait_for_workers(self.spec.num_prefill, self.spec.num_decode, timeout_s)
+            self.wait_router_serving(timeout_s)
         except BaseException:
             self.stop()
             raise
@@ -147,6 +150,19 @@ class LocalCluster:
                     f" decode workers, expected {num_prefill} / {num_decode}"
                 )
             time.sleep(0.1)
+
+    def wait_router_serving(self, timeout_s: float) -> None:
+        """Until the router's gRPC health (its readiness) says ``SERVING``."""
+        deadline = time.monotonic() + timeout_s
+        while self.router_health() != health_pb2.HealthCheckResponse.SERVING:
+            if time.monotonic() > deadline:
+                raise ClusterStartError(f"router not SERVING after {timeout_s:.0f} s")
+            time.sleep(0.1)
+
+    def router_health(self, service: str = "") -> int:
+        with grpc.insecure_channel(self.router_address) as channel:
+            request = health_pb2.HealthCheckRequest(service=service)
+            return health_pb2_grpc.HealthStub(channel).Check(request, timeout=10.0).status
 
     def model_info(self) -> generation_pb2.ModelInfo:
         with grpc.insecure_channel(self.router_address) as channel:

@@ -53,6 +53,20 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         type=positive_int,
         help="longest prompt + output accepted (default: the checkpoint's context)",
     )
+    ready = router.add_argument_group(
+        "readiness",
+        "gRPC health (service '') is NOT_SERVING while fewer workers than these are "
+        "registered; liveness (service 'tandem.liveness') is SERVING while the process runs.",
+    )
+    ready.add_argument(
+        "--min-decode-workers", type=positive_int, default=1, help="decode workers needed"
+    )
+    ready.add_argument(
+        "--min-prefill-workers",
+        type=int,
+        default=0,
+        help="prefill workers needed (0: decode workers prefill when none is left)",
+    )
     _add_routing_options(router)
     router.set_defaults(run=run)
 
@@ -132,6 +146,7 @@ def prefix_cost(role: WorkerRole, args: argparse.Namespace) -> PrefixCost:
 def run(args: argparse.Namespace) -> int:
     from tandem.common.registry import WorkerRole
     from tandem.router.main import RouterOptions, run
+    from tandem.router.readiness import ReadinessRule
     from tandem.router.routing.policy import PolicyName
 
     require_redis(args)
@@ -140,6 +155,7 @@ def run(args: argparse.Namespace) -> int:
         prefill_cost, decode_cost = (
             prefix_cost(role, args) for role in (WorkerRole.PREFILL, WorkerRole.DECODE)
         )
+        readiness = ReadinessRule(args.min_decode_workers, args.min_prefill_workers)
     except ValueError as err:
         raise SystemExit(f"error: {err}") from err
     options = RouterOptions(
@@ -156,6 +172,7 @@ def run(args: argparse.Namespace) -> int:
         max_pending_requests=args.max_pending_requests,
         max_model_len=args.max_model_len,
         metrics_port=args.metrics_port,
+        readiness=readiness,
     )
     asyncio.run(run(options))
     return 0

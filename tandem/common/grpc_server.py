@@ -1,5 +1,15 @@
 """Start a ``grpc.aio`` server the way every Tandem process does: bound to a port,
-with ``grpc.health.v1`` health and server reflection (so ``grpcurl`` works)."""
+with ``grpc.health.v1`` health and server reflection (so ``grpcurl`` works).
+
+Health answers two questions, as Kubernetes probes ask them:
+
+- **readiness**, the overall status (service ``""``) and each served service's: may
+  traffic be sent here? ``SERVING`` only while the process can do its work (a router
+  that sees no decode worker is not ready);
+- **liveness**, the service ``tandem.liveness``: is the process alive and its event loop
+  answering? ``SERVING`` from start to shutdown, whatever readiness says, so a probe can
+  tell "restart me" from "don't send me traffic".
+"""
 
 from __future__ import annotations
 
@@ -21,31 +31,50 @@ SERVER_OPTIONS = (
 
 AddServicer = Callable[[grpc.aio.Server], None]
 
+LIVENESS_SERVICE = "tandem.liveness"
+"""The health service name a liveness probe asks for."""
+
 
 @dataclass
 class RunningServer:
     server: grpc.aio.Server
     port: int
     health: health_aio.HealthServicer
+    service_names: tuple[str, ...]
+    ready: bool = False
 
     async def set_serving(self, serving: bool) -> None:
-        status = (
-            health_pb2.HealthCheckResponse.SERVING
-            if serving
-            else health_pb2.HealthCheckResponse.NOT_SERVING
-        )
-        await self.health.set("", status)
+        """Readiness: the overall status and every served service's."""
+        self.ready = serving
+        status = _status(serving)
+        for name in ("", *self.service_names):
+            await self.health.set(name, status)
 
     async def stop(self, grace_s: float = 2.0) -> None:
         await self.set_serving(False)
+        await self.health.set(LIVENESS_SERVICE, _status(False))
         await self.server.stop(grace_s)
 
 
+def _status(serving: bool) -> health_pb2.HealthCheckResponse.ServingStatus:
+    return (
+        health_pb2.HealthCheckResponse.SERVING
+        if serving
+        else health_pb2.HealthCheckResponse.NOT_SERVING
+    )
+
+
 async def start_server(
-    host: str, port: int, add_servicers: Sequence[AddServicer], service_names: Sequence[str]
+    host: str,
+    port: int,
+    add_servicers: Sequence[AddServicer],
+    service_names: Sequence[str],
+    ready: bool = True,
 ) -> RunningServer:
     """Bind ``host:port`` (port 0 picks a free one), register the services, health and
-    reflection, start serving. ``service_names`` are full names (``tandem.v1.Generation``)."""
+    reflection, start serving. ``service_names`` are full names (``tandem.v1.Generation``).
+    ``ready=False``: readiness starts ``NOT_SERVING`` until ``set_serving(True)``;
+    liveness is ``SERVING`` either way."""
     server = grpc.aio.server(options=SERVER_OPTIONS)
     for add in add_servicers:
         add(server)
@@ -57,6 +86,7 @@ async def start_server(
     if bound == 0:
         raise OSError(f"cannot bind {host}:{port}")
     await server.start()
-    running = RunningServer(server, bound, health)
-    await running.set_serving(True)
+    running = RunningServer(server, bound, health, tuple(service_names))
+    await health.set(LIVENESS_SERVICE, _status(True))
+    await running.set_serving(ready)
     return running
