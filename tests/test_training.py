@@ -1,6 +1,6 @@
 """Training: the loss falls, the result is a normal checkpoint that transformers and the
-engine load and agree on, a run is reproducible and stays within its budget, and the
-shipped target/draft pair is what its README says."""
+engine load and agree on, the trained model is the engine's own, a run is reproducible
+and stays within its budget, and the shipped target/draft pair is what its README says."""
 
 from __future__ import annotations
 
@@ -13,6 +13,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from tandem.common.model_config import ModelConfig
+from tandem.engine.attention.base import AttentionBackendKind, make_backend
+from tandem.engine.attention.dense import NO_KV_CACHE, DenseCausalAttention, dense_batch_metadata
+from tandem.engine.loader import load_model
 from tandem.tools.checkpoint_maker import PRESETS, checkpoint_spec
 from tandem.tools.training import (
     REPORT_FILE,
@@ -22,6 +26,7 @@ from tandem.tools.training import (
     learning_rate,
     load_corpus,
     train,
+    train_pair,
 )
 
 transformers = pytest.importorskip("transformers")
@@ -89,10 +94,12 @@ def test_minute_budget_stops_the_run(corpus: Corpus) -> None:
 def test_same_seed_same_weights_other_seed_other_weights(trained: Trained, corpus: Corpus) -> None:
     again = train(checkpoint_spec(size=PRESET, seed=1), CONFIG, corpus)
     other = train(checkpoint_spec(size=PRESET, seed=2), CONFIG, corpus)
-    first = trained.model.state_dict()
-    for name, tensor in again.model.state_dict().items():
+    first = trained.model.checkpoint_weights()
+    for name, tensor in again.model.checkpoint_weights().items():
         assert torch.equal(tensor, first[name]), name
-    assert not torch.equal(other.model.state_dict()["lm_head.weight"], first["lm_head.weight"])
+    assert not torch.equal(
+        other.model.checkpoint_weights()["lm_head.weight"], first["lm_head.weight"]
+    )
 
 
 def test_checkpoint_has_hf_names_and_matches_transformers_logits(
@@ -105,6 +112,52 @@ def test_checkpoint_has_hf_names_and_matches_transformers_logits(
     with torch.no_grad():
         ours, theirs = trained.model(ids), hf(ids).logits
     torch.testing.assert_close(ours, theirs, atol=1e-4, rtol=1e-4)
+
+
+def test_training_forward_is_the_engine_models_on_the_loaded_checkpoint(
+    trained: Trained, checkpoint: Path
+) -> None:
+    """The trainer runs the engine's model: the checkpoint, loaded by the engine and run
+    through its reference paged attention on a real cache, gives the same logits."""
+    config = ModelConfig.from_dir(checkpoint)
+    engine_model = load_model(checkpoint, config, torch.float32, torch.device("cpu"))
+    assert type(engine_model) is type(trained.model.llama)
+    ids = torch.randint(0, config.vocab_size, (3, 17), generator=torch.Generator().manual_seed(0))
+    meta = dense_batch_metadata(*ids.shape)
+    cache = torch.zeros(2, ids.shape[0], ids.shape[1], config.num_kv_heads, config.head_dim)
+    backend = make_backend(AttentionBackendKind.TORCH, config.head_dim**-0.5, ids.shape[1])
+    positions = torch.arange(ids.shape[1]).repeat(ids.shape[0])
+    with torch.no_grad():
+        caches = [cache.clone() for _ in range(config.num_layers)]
+        hidden = engine_model(ids.flatten(), positions, caches, backend, meta)
+        expected = engine_model.compute_logits(hidden).view(*ids.shape, -1)
+        torch.testing.assert_close(trained.model(ids), expected, atol=1e-5, rtol=1e-5)
+
+
+def test_checkpoint_weights_are_the_fused_parameters_split(trained: Trained) -> None:
+    weights = trained.model.checkpoint_weights()
+    layer = trained.model.llama.model.layers[0]
+    prefix = "model.layers.0"
+    qkv = [weights[f"{prefix}.self_attn.{p}_proj.weight"] for p in "qkv"]
+    gate_up = [weights[f"{prefix}.mlp.{p}_proj.weight"] for p in ("gate", "up")]
+    assert torch.equal(torch.cat(qkv), layer.self_attn.qkv_proj.weight)
+    assert torch.equal(torch.cat(gate_up), layer.mlp.gate_up_proj.weight)
+    assert sum(t.numel() for t in weights.values()) == trained.report.parameters
+
+
+@pytest.mark.parametrize("heads,kv_heads,window", [(4, 2, None), (4, 1, 5), (2, 2, None)])
+def test_dense_attention_matches_the_paged_reference(heads: int, kv_heads: int, window) -> None:
+    b, t, dim = 3, 9, 16
+    torch.manual_seed(heads + kv_heads)
+    q, k, v = (torch.randn(b * t, n, dim) for n in (heads, kv_heads, kv_heads))
+    meta = dense_batch_metadata(b, t)
+    reference = make_backend(AttentionBackendKind.TORCH, dim**-0.5, t)
+    cache = torch.zeros(2, b, t, kv_heads, dim)
+    expected = reference.forward(q, k, v, cache, meta, window)
+    dense = DenseCausalAttention(dim**-0.5)
+    dense.plan(meta)
+    got = dense.forward(q, k, v, NO_KV_CACHE, meta, window)
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-4)
 
 
 def test_engine_and_transformers_greedy_outputs_agree(checkpoint: Path) -> None:
@@ -150,6 +203,19 @@ def test_cli_trains_within_the_step_budget(tmp_path: Path, capsys: pytest.Captur
     assert main([*args, "--train-seq-len", "32", "--train-batch-size", "2"]) == 0
     assert json.loads((out / REPORT_FILE).read_text())["steps"] == 3
     assert "val loss" in capsys.readouterr().out
+
+
+def test_train_pair_distils_a_draft_and_writes_both(tmp_path: Path) -> None:
+    config = TrainConfig(
+        steps=2, batch_size=2, seq_len=16, distill_weight=0.5, corpus_bytes=200_000
+    )
+    target, draft = (checkpoint_spec(size=p) for p in ("trained-target", "trained-draft"))
+    report = train_pair(tmp_path, target, draft, config)
+    assert (report.target.config["distill_weight"], report.draft.steps) == (0.0, 2)
+    for role in ("target", "draft"):
+        _hf_model(tmp_path / role)
+    recorded = json.loads((tmp_path / "draft" / REPORT_FILE).read_text())
+    assert recorded["extra"]["greedy_agreement"] == round(report.greedy_agreement, 4)
 
 
 # --- the shipped pair ---------------------------------------------------------------------

@@ -7,11 +7,14 @@ tokenizer learnt from: on those 0.8M tokens alone the target memorised (training
 validation 4.0 after 1,200 steps). The last ``val_fraction`` of the token stream is held
 out; training windows of ``seq_len + 1`` tokens start at random offsets in the rest.
 
-Model: ``TrainingLlama`` has HuggingFace's module tree and parameter names, so its
-``state_dict()`` is a checkpoint. It reuses the engine's RMSNorm and rotary tables and
-runs dense causal attention with ``scaled_dot_product_attention`` over ``[B, T]``
-batches. Initialisation: N(0, 0.02) everywhere, the output projection of each attention
-and MLP block further scaled by ``1/sqrt(2 L)`` (GPT-2), norm weights at one.
+Model: the engine's own Llama (``tandem.engine.models.llama``), so training and serving
+share one definition of the architecture. ``TrainingLlama`` runs it over ``[B, T]``
+batches flattened to ``B * T`` tokens with dense causal attention and no KV cache
+(``tandem.engine.attention.dense``). The engine fuses q/k/v and gate/up into single
+matrices; the checkpoint stores them split, under HuggingFace's names (``hf_views``).
+Initialisation: N(0, 0.02) everywhere, the output projection of each attention and MLP
+block further scaled by ``1/sqrt(2 L)`` (GPT-2), norm weights at one; drawn tensor by
+tensor in checkpoint order, the fused matrices shard by shard.
 
 Optimiser: AdamW, weight decay on matrices only, linear warmup then cosine decay to
 ``min_lr_ratio * lr``. The schedule follows *progress*, the larger of ``step / steps`` and
@@ -41,8 +44,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from tandem.common.model_config import ModelConfig
-from tandem.engine.layers.norm import RMSNorm
-from tandem.engine.layers.rotary import RotaryEmbedding
+from tandem.engine.attention.dense import NO_KV_CACHE, DenseCausalAttention, dense_batch_metadata
+from tandem.engine.models.llama import FUSED_SHARDS, LlamaForCausalLM
 from tandem.tools.checkpoint_maker import DTYPES, CheckpointSpec, hf_config, save_checkpoint
 from tandem.tools.checkpoint_tokenizer import (
     corpus_files,
@@ -163,79 +166,11 @@ def eval_windows(tokens: torch.Tensor, seq_len: int) -> torch.Tensor:
 # --- model --------------------------------------------------------------------------------
 
 
-class _Attention(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
-        super().__init__()
-        self.num_heads, self.num_kv_heads = config.num_heads, config.num_kv_heads
-        self.head_dim = config.head_dim
-        d = config.hidden_size
-        self.q_proj = nn.Linear(d, config.q_size, bias=False)
-        self.k_proj = nn.Linear(d, config.kv_size, bias=False)
-        self.v_proj = nn.Linear(d, config.kv_size, bias=False)
-        self.o_proj = nn.Linear(config.q_size, d, bias=False)
-
-    def forward(
-        self, x: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding
-    ) -> torch.Tensor:
-        b, t, _ = x.shape
-        q = self.q_proj(x).view(b, t, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(b, t, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(b, t, self.num_kv_heads, self.head_dim)
-        q, k = rotary(positions, q, k)  # tables [T, 1, D] broadcast over batch and heads
-        q, k, v = (y.transpose(1, 2).to(v.dtype) for y in (q, k, v))
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
-        return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
-
-
-class _MLP(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
-        super().__init__()
-        d, inner = config.hidden_size, config.intermediate_size
-        self.gate_proj = nn.Linear(d, inner, bias=False)
-        self.up_proj = nn.Linear(d, inner, bias=False)
-        self.down_proj = nn.Linear(inner, d, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
-
-
-class _DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
-        super().__init__()
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = _Attention(config)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = _MLP(config)
-
-    def forward(
-        self, h: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding
-    ) -> torch.Tensor:
-        h = h + self.self_attn(self.input_layernorm(h), positions, rotary)
-        return h + self.mlp(self.post_attention_layernorm(h))
-
-
-class _DecoderStack(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
-        super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(_DecoderLayer(config) for _ in range(config.num_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.rotary = RotaryEmbedding(
-            config.head_dim, config.max_position_embeddings, config.rope, torch.float32
-        )
-        self.rotary.materialize(torch.device("cpu"))
-
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        h = self.embed_tokens(input_ids)
-        positions = torch.arange(input_ids.shape[1])
-        for layer in self.layers:
-            h = layer(h, positions, self.rotary)
-        return self.norm(h)
-
-
 class TrainingLlama(nn.Module):
-    """Llama for training and evaluation: ``[B, T]`` token ids in, ``[B, T, vocab]``
-    logits out, every sequence starting at position 0. Untied output projection."""
+    """The engine's ``LlamaForCausalLM`` (``llama``) run over ``[B, T]`` batches: token ids
+    in, ``[B, T, vocab]`` logits out, every sequence starting at position 0, attention by
+    ``DenseCausalAttention`` (no KV cache). Float32 ``nn.Linear`` weights, never packed, so
+    autograd trains them. Untied output projection."""
 
     def __init__(self, config: ModelConfig, seed: int) -> None:
         super().__init__()
@@ -243,24 +178,61 @@ class TrainingLlama(nn.Module):
         _require(not config.qkv_bias, "q/k/v biases are not supported")
         _require(set(config.sliding_windows) == {None}, "sliding windows are not supported")
         self.config = config
-        self.model = _DecoderStack(config)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.llama = LlamaForCausalLM(config, torch.float32)
+        self.llama.model.rotary.materialize(torch.device("cpu"))
+        self.attention = DenseCausalAttention(config.head_dim**-0.5)
         self._init_parameters(seed)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(self.model(input_ids))
+        b, t = input_ids.shape
+        meta = dense_batch_metadata(b, t, input_ids.device)
+        positions = torch.arange(t, device=input_ids.device).repeat(b)
+        caches = [NO_KV_CACHE] * self.config.num_layers
+        self.attention.plan(meta)
+        hidden = self.llama(input_ids.flatten(), positions, caches, self.attention, meta)
+        return self.llama.compute_logits(hidden).view(b, t, -1)
+
+    def checkpoint_weights(self) -> dict[str, torch.Tensor]:
+        """Detached copies of the weights under their HuggingFace checkpoint names."""
+        return {name: view.detach().clone() for name, view in hf_views(self.llama).items()}
 
     def _init_parameters(self, seed: int) -> None:
         generator = torch.Generator().manual_seed(seed)
         branch_std = INIT_STD / math.sqrt(2 * self.config.num_layers)
         with torch.no_grad():
-            for name, param in self.named_parameters():  # a fixed order: reproducible draws
-                if param.dim() == 1:
-                    param.fill_(1.0)
+            for name, weight in hf_views(self.llama).items():  # fixed order: reproducible
+                if weight.dim() == 1:
+                    weight.fill_(1.0)
                     continue
                 is_branch_out = name.endswith(("o_proj.weight", "down_proj.weight"))
                 std = branch_std if is_branch_out else INIT_STD
-                param.normal_(0.0, std, generator=generator)
+                weight.normal_(0.0, std, generator=generator)
+
+
+def hf_views(llama: LlamaForCausalLM) -> dict[str, torch.Tensor]:
+    """``llama``'s parameters under their HuggingFace checkpoint names, in parameter
+    order; a fused q/k/v or gate/up matrix appears as its shards (``FUSED_SHARDS``), each
+    a view into it. The inverse of ``LlamaForCausalLM.checkpoint_targets``."""
+    shard_names = _shard_names()
+    views: dict[str, torch.Tensor] = {}
+    for name, param in llama.named_parameters():
+        prefix, _, leaf = name.rpartition(".")
+        module_path, _, fused = prefix.rpartition(".")
+        if fused not in shard_names:
+            views[name] = param
+            continue
+        shards = param.split(llama.shard_sizes(name))
+        for proj, shard in zip(shard_names[fused], shards, strict=True):
+            views[f"{module_path}.{proj}.{leaf}"] = shard
+    return views
+
+
+def _shard_names() -> dict[str, list[str]]:
+    """Fused parameter suffix -> its checkpoint tensors' suffixes, in shard order."""
+    names: dict[str, list[str]] = {}
+    for proj, (fused, _) in sorted(FUSED_SHARDS.items(), key=lambda item: item[1]):
+        names.setdefault(fused, []).append(proj)
+    return names
 
 
 def model_config_for(spec: CheckpointSpec) -> ModelConfig:
@@ -315,7 +287,7 @@ class Trained:
 
     def save(self, out_dir: str | Path) -> Path:
         """Write the checkpoint (weights in ``spec.dtype``) and ``training.json``."""
-        path = save_checkpoint(self.spec, Path(out_dir), self.model.state_dict())
+        path = save_checkpoint(self.spec, Path(out_dir), self.model.checkpoint_weights())
         text = json.dumps(asdict(self.report), indent=2) + "\n"
         (path / REPORT_FILE).write_text(text, encoding="utf-8")
         return path
