@@ -47,6 +47,9 @@ class RouterOptions:
     """Serve Prometheus ``GET /metrics`` here (0: a free port); ``None``: no endpoint."""
     readiness: ReadinessRule = ReadinessRule()
     """Worker counts below which the router reports ``NOT_SERVING``."""
+    drain_timeout_s: float = 25.0
+    """On SIGTERM: how long client streams in flight may still run (new ones are refused
+    and readiness turns ``NOT_SERVING`` at once)."""
 
 
 @dataclass
@@ -145,7 +148,8 @@ async def run(
     try:
         await stop.wait()
     finally:
-        await server.stop()
+        log.info("draining: up to %.0f s for the streams in flight", options.drain_timeout_s)
+        await server.stop(options.drain_timeout_s)
         if metrics_server is not None:
             metrics_server.close()
             with contextlib.suppress(Exception):

@@ -60,6 +60,17 @@ RETRYABLE = frozenset(
 )
 
 
+def worker_failed(err: BaseException) -> bool:
+    """Whether a worker call failed in a way another worker can make good: a retryable
+    status, or the call cancelled under us (its channel was closed) while the request's
+    own task is not being cancelled. A client that cancels cancels the task, and that
+    ``CancelledError`` must propagate."""
+    if isinstance(err, grpc.aio.AioRpcError):
+        return err.code() in RETRYABLE
+    task = asyncio.current_task()
+    return isinstance(err, asyncio.CancelledError) and task is not None and not task.cancelling()
+
+
 class NoWorkerAvailable(Exception):
     """No live worker can serve the request (maps to ``UNAVAILABLE``)."""
 
@@ -189,11 +200,11 @@ class Orchestrator:
                 response = await self.clients.prefill(worker).Prefill(
                     message, timeout=_remaining(deadline)
                 )
-            except grpc.aio.AioRpcError as err:
-                if err.code() not in RETRYABLE:
+            except (grpc.aio.AioRpcError, asyncio.CancelledError) as err:
+                if not worker_failed(err):
                     raise
                 log.warning(
-                    "prefill on %s failed (%s); trying another", worker.info.worker_id, err.code()
+                    "prefill on %s failed (%s); trying another", worker.info.worker_id, _why(err)
                 )
                 tried.add(worker.info.worker_id)
                 continue
@@ -264,13 +275,13 @@ class Orchestrator:
                     yield TokenChunk(tuple(response.token_ids), tuple(response.logprobs), finish)
                     if finish is not None:
                         return
-            except grpc.aio.AioRpcError as err:
-                if err.code() not in RETRYABLE:
+            except (grpc.aio.AioRpcError, asyncio.CancelledError) as err:
+                if not worker_failed(err):
                     raise
                 log.warning(
                     "decode on %s failed (%s); continuing elsewhere",
                     worker.info.worker_id,
-                    err.code(),
+                    _why(err),
                 )
             finally:
                 call.cancel()
@@ -330,6 +341,10 @@ class Orchestrator:
         matched = routing.matched_blocks.get(choice.info.worker_id, 0)
         self.metrics.decided(time.perf_counter() - start)
         return _Pick(choice, matched)
+
+
+def _why(err: BaseException) -> str:
+    return err.code().name if isinstance(err, grpc.aio.AioRpcError) else "call cancelled"
 
 
 def _worker_sampling(request: ValidatedRequest) -> common_pb2.SamplingParams:

@@ -52,7 +52,9 @@ def make_cluster(
 ) -> Iterator[Callable[..., LocalCluster]]:
     started: list[LocalCluster] = []
 
-    def make(num_decode: int = 2, router_args: tuple[str, ...] = ()) -> LocalCluster:
+    def make(
+        num_decode: int = 2, router_args: tuple[str, ...] = (), decode_args: tuple[str, ...] = ()
+    ) -> LocalCluster:
         spec = ClusterSpec(
             model_dir=str(model_dir),
             num_decode=num_decode,
@@ -60,7 +62,7 @@ def make_cluster(
             redis_url=redis_url,
             model_name=f"faults-{free_port()}",
             worker_args=WORKER_ARGS,
-            decode_args=DECODE_ARGS,
+            decode_args=(*DECODE_ARGS, *decode_args),
             router_args=router_args,
             threads_per_worker=1,
             log_dir=tmp_path / "logs",
@@ -125,6 +127,38 @@ def test_decode_worker_killed_mid_stream_continues_elsewhere(make_cluster, offli
             assert len(busy) == 1
             os.kill(_pid(cluster, busy[0]), signal.SIGKILL)
     assert tokens == _expected(offline, [prompt], 600)[0]
+
+
+@pytest.mark.parametrize("drain_timeout", ["60", "0.2"], ids=["drains", "drain-times-out"])
+def test_sigterm_to_a_decode_worker_loses_no_stream(make_cluster, offline, drain_timeout):
+    """The signal Kubernetes sends on every rollout: the worker leaves the registry, its
+    streams either finish there (drains) or move on when the drain runs out; no stream
+    hangs, and every one is token-identical."""
+    cluster = make_cluster(num_decode=2, decode_args=("--drain-timeout", drain_timeout))
+    prompts = random_prompts(8, 4096, (40, 80), seed=45)
+    on_decode_0: list[int] = []
+
+    async def run() -> list[list[int]]:
+        signalled = asyncio.Event()
+
+        async def one(client: AsyncGenerationClient, prompt: list[int]) -> list[int]:
+            tokens: list[int] = []
+            async for response in client.generate(
+                build_request(prompt, _greedy(300)), timeout_s=90
+            ):
+                tokens += response.token_ids
+                if len(tokens) >= 8 and not signalled.is_set():
+                    signalled.set()
+                    on_decode_0.append(worker_status(cluster, "decode-0").num_running)
+                    os.kill(_pid(cluster, "decode-0"), signal.SIGTERM)
+            return tokens
+
+        async with AsyncGenerationClient(cluster.router_address) as client:
+            return list(await asyncio.gather(*(one(client, p) for p in prompts)))
+
+    assert asyncio.run(run()) == _expected(offline, prompts, 300)
+    assert on_decode_0[0] > 0, "no stream was on the signalled worker"
+    assert cluster.children["decode-0"].process.wait(timeout=60) == 0
 
 
 def test_worker_that_stops_heartbeating_leaves_and_rejoins(make_cluster, offline):

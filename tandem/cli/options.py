@@ -53,6 +53,13 @@ def add_server_options(parser: argparse.ArgumentParser) -> None:
         help="Redis holding the worker registry and KV events (default: $TANDEM_REDIS_URL)",
     )
     g.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    g.add_argument(
+        "--drain-timeout",
+        type=float,
+        default=25.0,
+        help="on SIGTERM, seconds the calls in flight may still run after the process "
+        "stops taking new ones (a worker leaves the registry first)",
+    )
     g.add_argument("--log-level", default="INFO", choices=LOG_LEVELS, help="logging threshold")
 
 

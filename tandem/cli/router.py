@@ -173,6 +173,7 @@ def run(args: argparse.Namespace) -> int:
         max_model_len=args.max_model_len,
         metrics_port=args.metrics_port,
         readiness=readiness,
+        drain_timeout_s=args.drain_timeout,
     )
     asyncio.run(run(options))
     return 0

@@ -178,6 +178,7 @@ def run(args: argparse.Namespace) -> int:
         engine=engine_settings(args),
         registry_ttl_s=args.registry_ttl,
         heartbeat_interval_s=args.heartbeat_interval,
+        drain_timeout_s=args.drain_timeout,
         **role_options,
     )
     if prefill:

@@ -28,6 +28,9 @@ from tandem.common.registry import (
 
 log = logging.getLogger(__name__)
 
+DEFAULT_DRAIN_TIMEOUT_S = 25.0
+"""Fits Kubernetes' default 30 s termination grace period with room to exit."""
+
 
 @dataclass(frozen=True)
 class WorkerOptions:
@@ -48,6 +51,8 @@ class WorkerOptions:
     kv_pull_timeout_s: float = 10.0
     registry_ttl_s: float = DEFAULT_TTL_S
     heartbeat_interval_s: float = DEFAULT_HEARTBEAT_INTERVAL_S
+    drain_timeout_s: float = DEFAULT_DRAIN_TIMEOUT_S
+    """On SIGTERM: how long in-flight calls may still run after deregistering."""
 
     @property
     def public_host(self) -> str:
@@ -81,12 +86,16 @@ async def host_worker(
         await stop.wait()
         heartbeats.cancel()
     finally:
-        await _leave(registration, server)
+        await _leave(registration, server, options.drain_timeout_s)
 
 
-async def _leave(registration: WorkerRegistration, server: RunningServer) -> None:
+async def _leave(registration: WorkerRegistration, server: RunningServer, drain_s: float) -> None:
+    """Drain: leave the registry first (routers stop sending work here), refuse new calls,
+    let the calls in flight finish within ``drain_s``, then cancel what is left (the
+    router moves a cancelled stream to another worker)."""
     with contextlib.suppress(Exception):
         await registration.deregister()
     with contextlib.suppress(Exception):
         await registration.aclose()
-    await server.stop()
+    log.info("draining: up to %.0f s for the calls in flight", drain_s)
+    await server.stop(drain_s)
