@@ -1,9 +1,10 @@
 """The online engine: requests in, per-step deltas out.
 
 ``step()`` is the whole loop — schedule, execute, update — plus the text side
-(detokenize, stop strings). Servers call ``add_request`` / ``abort_request`` between
-steps and stream the deltas; the offline ``LLM`` drives the same loop to completion.
-Single-threaded: call it from one thread (workers run it in a dedicated thread).
+(detokenize, stop strings) and, with speculative decoding, the proposal for the next
+step. Servers call ``add_request`` / ``abort_request`` between steps and stream the
+deltas; the offline ``LLM`` drives the same loop to completion. Single-threaded: call it
+from one thread (workers run it in a dedicated thread).
 """
 
 from __future__ import annotations
@@ -12,8 +13,6 @@ import itertools
 import time
 from collections.abc import Callable
 from dataclasses import replace
-
-import torch
 
 from tandem.common.kv_events.events import KVCacheEvent
 from tandem.common.model_config import ModelConfig
@@ -29,6 +28,7 @@ from tandem.engine.request import FinishReason, PrefillMode, Request, RequestSta
 from tandem.engine.sampler import TokenLogprobs
 from tandem.engine.scheduler import KVPull, Scheduler, SchedulerConfig, StepUpdate
 from tandem.engine.spec_decode.build import build_speculator
+from tandem.engine.spec_decode.speculator import Drafts, Speculator
 
 KVEventCallback = Callable[[list[KVCacheEvent]], None]
 
@@ -78,7 +78,9 @@ class LLMEngine:
         self.speculator = build_speculator(
             config, rt, self.model_config, self.eos_token_ids, self.num_kv_blocks
         )
-        self._draft_probs: dict[str, torch.Tensor] = {}
+        self._next_drafts = Drafts()
+        """Proposed at the end of the last step, for the next one's ``schedule`` and
+        ``execute`` (see ``_step`` for why then)."""
         self.num_steps = 0
         """Target forward passes so far."""
         self.busy_seconds = 0.0
@@ -131,6 +133,7 @@ class LLMEngine:
         self.text_streams.pop(request_id, None)
         if self.speculator is not None:
             self.speculator.forget(request_id)
+            self._next_drafts = self._next_drafts.without(request_id)  # the id may return
         return True
 
     def has_unfinished_requests(self) -> bool:
@@ -184,7 +187,17 @@ class LLMEngine:
             self.busy_seconds += time.perf_counter() - start
 
     def _step(self) -> list[RequestDelta]:
-        plan = self.scheduler.schedule()
+        """Schedule (with the drafts proposed last step), execute, update, emit; then
+        observe and propose for the next step.
+
+        The proposal is made at the end of a step, not at the start of the next, because
+        what happens between steps must not change it: a ``REMOTE`` request whose KV
+        arrives in between (``finish_kv_pull``) decodes its first step plainly, as it
+        always has (speculating there would change its step count, the counters and a
+        seeded request's random stream), and a request aborted in between had its drafts
+        dropped with it."""
+        drafts, self._next_drafts = self._next_drafts, Drafts()
+        plan = self.scheduler.schedule(drafts.token_ids)
         self._kv_pulls.extend(plan.kv_pulls)
         self.last_step_idle = not plan.chunks
         if self.speculator is not None:
@@ -192,23 +205,26 @@ class LLMEngine:
                 self.speculator.forget(request.request_id)
         if not plan.chunks:
             return []
-        result = self.runner.execute(plan, self._draft_probs)
+        result = self.runner.execute(plan, drafts.probs)
         self.num_steps += 1
         updates = self.scheduler.update(plan, result.sampled)
         deltas = [self._emit(u, result.logprobs.get(u.request.request_id, [])) for u in updates]
         if self.speculator is not None:
-            for update in updates:
-                self.speculator.observe(update)
-                if update.request.is_finished:  # token stop, or a stop string in _emit
-                    self.speculator.forget(update.request.request_id)
-            self._draft_probs = self.speculator.propose(
-                self.scheduler.running, self.runtime.max_model_len
-            )
+            self._next_drafts = self._speculate(self.speculator, updates)
         self._track_kv_usage()
         events = self.block_pool.take_events()
         if events and self._on_kv_events is not None:
             self._on_kv_events(events)
         return deltas
+
+    def _speculate(self, speculator: Speculator, updates: list[StepUpdate]) -> Drafts:
+        """Feed the step's outcome to ``speculator``, then propose for the requests still
+        running (finished ones, by a token stop or a stop string in ``_emit``, are gone)."""
+        for update in updates:
+            speculator.observe(update)
+            if update.request.is_finished:
+                speculator.forget(update.request.request_id)
+        return speculator.propose(self.scheduler.running, self.runtime.max_model_len)
 
     def _emit(self, update: StepUpdate, logprobs: list[TokenLogprobs]) -> RequestDelta:
         request = update.request

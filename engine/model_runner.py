@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
+from types import MappingProxyType
 
 import numpy as np
 import torch
@@ -21,6 +22,9 @@ from tandem.engine.loader import load_model
 from tandem.engine.sampler import RowGroup, Sampler, SamplingRow, TokenLogprobs
 from tandem.engine.scheduler import ScheduledChunk, SchedulerOutput
 from tandem.engine.stopping import banned_tokens
+
+NO_DRAFT_PROBS: Mapping[str, torch.Tensor] = MappingProxyType({})
+"""No drafted chunk of the step was sampled (the default of ``ModelRunner.execute``)."""
 
 
 @dataclass(frozen=True)
@@ -82,10 +86,12 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(
-        self, step: SchedulerOutput, draft_probs: Mapping[str, torch.Tensor] | None = None
+        self, step: SchedulerOutput, draft_probs: Mapping[str, torch.Tensor] = NO_DRAFT_PROBS
     ) -> RunnerOutput:
-        """Run the step; ``draft_probs``: for drafted requests whose proposer sampled,
-        the ``[k, V]`` distributions their drafts came from."""
+        """Run the step. ``draft_probs``: this step's draft distributions by request id
+        (``Drafts.probs`` of the proposal whose token ids ``step`` was scheduled with),
+        ``[k, V]`` for a chunk with k drafts; a drafted chunk without one is verified as a
+        deterministic proposal, an entry for a chunk without drafts is ignored."""
         for request_id in step.finished_request_ids:
             self._generators.pop(request_id, None)
         chunks = sorted(step.chunks, key=lambda c: c.num_tokens > 1)  # decodes first
@@ -96,7 +102,7 @@ class ModelRunner:
         rows, groups, positions = [], [], []
         for i, chunk in sampling:
             drafts = chunk.draft_token_ids
-            probs = (draft_probs or {}).get(chunk.request.request_id) if drafts else None
+            probs = draft_probs.get(chunk.request.request_id) if drafts else None
             groups.append(RowGroup(len(rows), drafts, probs))
             rows.extend(self._sampling_rows(chunk))
             last = meta.query_start_loc[i + 1]

@@ -69,9 +69,6 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: FinishReason | None = None
     num_preemptions: int = 0
-    draft_token_ids: list[int] = field(default_factory=list)
-    """Tokens proposed for verification in the next step (speculative decoding); the
-    scheduler consumes them, verified or dropped, in one step."""
 
     def __post_init__(self) -> None:
         self.all_token_ids = [*self.prompt_token_ids, *self.output_token_ids]

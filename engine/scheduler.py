@@ -19,18 +19,27 @@ prefix on failure, and the prompt is computed here like any other. A ``HAND_OFF`
 request (prefill worker) stops after its first token and keeps its blocks
 (``PREFILLED``) until released.
 
+Speculative decoding adds drafts, passed in as token ids: a decoding request given k of
+them gets a chunk of 1 + k positions (its last token, then the drafts to verify), when
+the budget allows. ``update`` keeps the KV of the drafts the target accepted and rolls
+back the rest (``_roll_back_rejected_drafts``).
+
 Torch-free: the scheduler decides; the model runner executes.
 """
 
 from __future__ import annotations
 
 import bisect
-from collections.abc import Collection
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
+from types import MappingProxyType
 
 from tandem.engine.kv_cache_manager import KVCacheManager
 from tandem.engine.request import FinishReason, PrefillMode, Request, RequestStatus
 from tandem.engine.stopping import check_token_stop
+
+NO_DRAFTS: Mapping[str, tuple[int, ...]] = MappingProxyType({})
+"""No request speculates this step (the default of ``Scheduler.schedule``)."""
 
 
 @dataclass(frozen=True)
@@ -176,20 +185,27 @@ class Scheduler:
 
     # --- one step ----------------------------------------------------------------------
 
-    def schedule(self) -> SchedulerOutput:
+    def schedule(self, drafts: Mapping[str, tuple[int, ...]] = NO_DRAFTS) -> SchedulerOutput:
+        """Decide this step's chunks, preemptions and pulls.
+
+        ``drafts``: speculative tokens to verify after a running request's tokens, by
+        request id. A request gets them in its chunk (``ScheduledChunk.draft_token_ids``)
+        only if its whole remainder plus the drafts fits the budget; otherwise it runs
+        without. Entries for requests not running are ignored; nothing is kept for later.
+        """
         budget = self.config.max_num_batched_tokens
         chunks: list[ScheduledChunk] = []
         preempted: list[Request] = []
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
-            drafts, request.draft_token_ids = tuple(request.draft_token_ids), []
-            num_new = request.num_uncomputed_tokens + len(drafts)
+            request_drafts = tuple(drafts.get(request.request_id, ()))
+            num_new = request.num_uncomputed_tokens + len(request_drafts)
             if num_new > budget:  # verify drafts only with the whole remainder of the request
-                drafts, num_new = (), min(request.num_uncomputed_tokens, budget)
+                request_drafts, num_new = (), min(request.num_uncomputed_tokens, budget)
             if not self._grow_or_preempt(request, num_new, preempted):
                 break  # `request` itself was preempted: nothing after it can run either
-            chunks.append(self._chunk(request, num_new, drafts))
+            chunks.append(self._chunk(request, num_new, request_drafts))
             budget -= num_new
             i += 1
         pulls: list[KVPull] = []
@@ -201,33 +217,49 @@ class Scheduler:
     def update(self, output: SchedulerOutput, sampled: dict[str, list[int]]) -> list[StepUpdate]:
         """Advance computed tokens, append sampled ones, finish what is done.
 
-        For a chunk with drafts, ``sampled`` holds the accepted drafts then one token of
-        the target's own: the KV of the accepted drafts stays, the rest is rolled back.
+        ``sampled``: per request of a chunk that ``samples``, its new tokens; for a chunk
+        with drafts, the accepted drafts then one token of the target's own.
         """
         updates = []
         for chunk in output.chunks:
-            request = chunk.request
-            if request.is_finished:
+            if chunk.request.is_finished:
                 continue  # aborted while the step ran
-            tokens = sampled.get(request.request_id, [])
-            num_rejected = len(chunk.draft_token_ids) - max(0, len(tokens) - 1)
-            request.num_computed_tokens = chunk.end - (num_rejected if tokens else 0)
-            appended, reason = self._append(request, tokens)
-            request.num_computed_tokens = min(request.num_computed_tokens, request.num_tokens)
-            self.kv.publish_full_blocks(request)
-            if reason is not None:
-                self.finish(request, reason)
-            elif chunk.draft_token_ids:
-                self.kv.trim(request)
-            if not appended:
-                continue
-            handed_off = reason is None and request.prefill_mode is PrefillMode.HAND_OFF
-            if handed_off:
-                self._hand_off(request)
-            num_drafts = len(chunk.draft_token_ids)
-            accepted = len(tokens) - 1 if num_drafts else 0
-            updates.append(StepUpdate(request, appended, reason, handed_off, num_drafts, accepted))
+            update = self._advance(chunk, sampled.get(chunk.request.request_id, []))
+            if update is not None:
+                updates.append(update)
         return updates
+
+    def _advance(self, chunk: ScheduledChunk, tokens: list[int]) -> StepUpdate | None:
+        """Apply one chunk's outcome to its request; ``None`` if nothing was appended."""
+        request = chunk.request
+        num_drafts = len(chunk.draft_token_ids)
+        num_accepted = max(0, len(tokens) - 1) if num_drafts else 0
+        appended, reason = self._append(request, tokens)
+        # The chunk computed positions start..end-1: the request's own tokens, then k
+        # drafts, of which the target accepted the first a; the last k - a positions hold
+        # rejected drafts. A stop may cut the appended run shorter still:
+        #     computed = min(end - (k - a), num_tokens)
+        request.num_computed_tokens = min(
+            chunk.end - (num_drafts - num_accepted), request.num_tokens
+        )
+        self.kv.publish_full_blocks(request)
+        if reason is not None:
+            self.finish(request, reason)
+        elif num_drafts:
+            self._roll_back_rejected_drafts(request)
+        if not appended:
+            return None
+        handed_off = reason is None and request.prefill_mode is PrefillMode.HAND_OFF
+        if handed_off:
+            self._hand_off(request)
+        return StepUpdate(request, appended, reason, handed_off, num_drafts, num_accepted)
+
+    def _roll_back_rejected_drafts(self, request: Request) -> None:
+        """Free the blocks past what ``request.num_tokens`` needs: after a verification
+        they held only rejected drafts (never published: ``num_computed_tokens`` already
+        stops before them). The KV of rejected drafts left in a kept block is simply
+        overwritten by the next step."""
+        self.kv.trim(request)
 
     def _append(self, request: Request, tokens: list[int]) -> tuple[list[int], FinishReason | None]:
         """Append tokens up to the first that ends the request; returns those appended and
@@ -266,7 +298,6 @@ class Scheduler:
     def _preempt(self, request: Request) -> None:
         self.running.remove(request)
         self.kv.free(request)
-        request.draft_token_ids = []
         request.num_computed_tokens = 0
         request.num_preemptions += 1
         self.num_preemptions += 1

@@ -163,3 +163,80 @@ def test_a_request_that_can_never_fit_fails_loudly_instead_of_spinning() -> None
     with pytest.raises(RuntimeError, match="KV cache"):
         for _ in range(10):
             _step(s)
+
+
+# --- speculative decoding: drafts in, rejected drafts rolled back -----------------------
+
+
+def _decoding(s: Scheduler, *requests: Request) -> None:
+    """Prefill ``requests`` and sample their first token: each then has one to compute."""
+    for request in requests:
+        s.add(request)
+    _step(s)
+    assert all(r.num_uncomputed_tokens == 1 for r in requests)
+
+
+def test_drafts_reach_the_scheduler_only_through_schedule() -> None:
+    s = _scheduler()
+    a, b = _request("a", 5, max_tokens=10), _request("b", 5, max_tokens=10)
+    _decoding(s, a, b)
+    out = s.schedule({"a": (11, 12, 13), "gone": (1, 2)})  # "gone" is not running: ignored
+    chunks = {c.request.request_id: c for c in out.chunks}
+    assert set(chunks) == {"a", "b"}
+    assert chunks["a"].draft_token_ids == (11, 12, 13)
+    assert (chunks["a"].start, chunks["a"].num_tokens) == (5, 1 + 3) and chunks["a"].samples
+    assert chunks["b"].draft_token_ids == () and chunks["b"].num_tokens == 1
+    s.update(out, {"a": [11, 7], "b": [7]})
+    assert not hasattr(a, "draft_token_ids")  # nothing rides on the request
+    again = s.schedule()  # and nothing is kept from one call to the next
+    assert [(c.num_tokens, c.draft_token_ids) for c in again.chunks] == [(1, ()), (1, ())]
+
+
+def test_drafts_that_do_not_fit_the_budget_are_dropped() -> None:
+    s = _scheduler(max_num_batched_tokens=6)
+    a = _request("a", 5, max_tokens=10)
+    _decoding(s, a)
+    s.add(_request("b", 20))
+    out = s.schedule({"a": (11, 12, 13, 14, 15, 16)})  # 1 + 6 > 6: a decodes plainly
+    assert [(c.request.request_id, c.num_tokens, c.draft_token_ids) for c in out.chunks] == [
+        ("a", 1, ()),
+        ("b", 5, ()),
+    ]
+
+
+@pytest.mark.parametrize(
+    ("num_accepted", "computed", "blocks"),
+    [(0, 6, 2), (1, 7, 2), (3, 9, 3)],
+    ids=["none-accepted", "1-of-3", "all-accepted"],
+)
+def test_rejected_drafts_are_rolled_back(num_accepted: int, computed: int, blocks: int) -> None:
+    # 6 tokens (5 computed) in blocks of 4; 3 drafts make a chunk of positions 5..8, which
+    # reaches a third block. Accepting a of them leaves computed = min(9 - (3 - a), 6 + a + 1)
+    # and only the blocks that 6 + a + 1 tokens need.
+    s = _scheduler(block_size=4)
+    a = _request("a", 5, max_tokens=10)
+    _decoding(s, a)
+    drafts = (11, 12, 13)
+    out = s.schedule({"a": drafts})
+    assert (out.chunks[0].start, out.chunks[0].end) == (5, 9)
+    assert s.kv.num_blocks_held(a) == 3
+    tokens = [*drafts[:num_accepted], 9]  # the accepted drafts, then the target's own token
+    (update,) = s.update(out, {"a": tokens})
+    assert (update.num_draft_tokens, update.num_accepted_drafts) == (3, num_accepted)
+    assert update.new_token_ids == tokens and a.num_tokens == 6 + num_accepted + 1
+    assert a.num_computed_tokens == computed
+    assert s.kv.num_blocks_held(a) == blocks
+    assert s.kv.pool.num_free_blocks == 64 - blocks
+    nxt = s.schedule().chunks[0]
+    assert (nxt.start, nxt.num_tokens) == (computed, 1)  # decodes the target's token next
+
+
+def test_a_stop_inside_the_accepted_run_ends_the_request_there() -> None:
+    s = _scheduler(block_size=4)
+    a = _request("a", 5, max_tokens=3)  # one output so far: two more end it
+    _decoding(s, a)
+    out = s.schedule({"a": (11, 12, 13)})
+    (update,) = s.update(out, {"a": [11, 12, 13, 9]})
+    assert update.new_token_ids == [11, 12] and update.finish_reason is FinishReason.LENGTH
+    assert a.num_computed_tokens == a.num_tokens == 8  # min(9 - 0, 8)
+    assert s.kv.pool.num_free_blocks == 64

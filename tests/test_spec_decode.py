@@ -175,6 +175,46 @@ def test_seeded_sampling_with_speculation_is_reproducible(target, draft, prompts
     _assert_clean(llm)
 
 
+def _step_until_drafted(engine) -> dict[str, tuple[int, ...]]:
+    """Step until some request has drafts for the next step; returns their token ids."""
+    for _ in range(30):
+        engine.step()
+        if engine._next_drafts.proposals:
+            return engine._next_drafts.token_ids
+    raise AssertionError("nothing was ever proposed")
+
+
+def test_drafts_go_from_one_step_to_the_next_and_leave_with_an_abort(
+    target, prompts, monkeypatch
+) -> None:
+    """The drafts proposed at the end of a step are what the next step schedules (as the
+    argument of ``Scheduler.schedule``); a request aborted in between takes its drafts
+    with it, so a later request of the same id cannot inherit them."""
+    llm = LLM(
+        target,
+        dtype="float32",
+        num_kv_blocks=128,
+        speculative_method="ngram",
+        speculative_adaptive=False,
+    )
+    engine = llm.engine
+    for rid, prompt in zip("xy", prompts[6:8], strict=True):  # prompts that repeat themselves
+        engine.add_request(prompt, GREEDY, request_id=rid)
+    proposed = _step_until_drafted(engine)
+    plans = []
+    schedule = engine.scheduler.schedule
+    monkeypatch.setattr(
+        engine.scheduler, "schedule", lambda drafts: plans.append(schedule(drafts)) or plans[-1]
+    )
+    engine.step()
+    verified = {c.request.request_id: c.draft_token_ids for c in plans[0].chunks}
+    assert len(verified) == 2
+    assert {rid: d for rid, d in verified.items() if d} == proposed  # the other gets none
+    gone, *kept = sorted(_step_until_drafted(engine))
+    assert engine.abort_request(gone)
+    assert sorted(engine._next_drafts.proposals) == kept
+
+
 # --- rejection sampling keeps the target distribution ---------------------------------
 
 VOCAB = 6

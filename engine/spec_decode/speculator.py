@@ -3,15 +3,17 @@ proposers, keeps the adaptive k and the counters.
 
 Called by ``LLMEngine.step`` after each update: requests that are decoding (one token
 to compute), allowed to speculate (engine default or ``SamplingParams.speculative``) and
-far enough from ``max_tokens`` get ``draft_token_ids`` for the scheduler to verify in
-the next step. Never touches tensors except to pass the draft distributions along.
+far enough from ``max_tokens`` get a proposal in the returned ``Drafts``, which the
+engine hands to the next step: the token ids to ``Scheduler.schedule``, the draft
+distributions to ``ModelRunner.execute``. Never touches tensors except to pass those
+distributions along; never mutates a ``Request``.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -19,7 +21,7 @@ from tandem.common.sampling_params import SpecMethod
 from tandem.engine.request import PrefillMode, Request
 from tandem.engine.scheduler import StepUpdate
 from tandem.engine.spec_decode.adaptive import AdaptiveK
-from tandem.engine.spec_decode.proposer import Proposer
+from tandem.engine.spec_decode.proposer import Proposal, Proposer
 
 VERIFY_COST_PER_TOKEN = 0.05
 """Verifying one more position costs little next to a decode step at small batch."""
@@ -61,6 +63,31 @@ class SpecDecodeStats:
 
 
 @dataclass(frozen=True)
+class Drafts:
+    """The proposals for one step, by request id. A request without an entry does not
+    speculate that step; an entry's tokens follow the request's ``all_token_ids`` as they
+    stood when it was proposed."""
+
+    proposals: Mapping[str, Proposal] = field(default_factory=dict)
+
+    @property
+    def token_ids(self) -> dict[str, tuple[int, ...]]:
+        """The drafts to verify, for ``Scheduler.schedule`` (token ids only: the scheduler
+        is torch-free)."""
+        return {rid: tuple(p.token_ids) for rid, p in self.proposals.items()}
+
+    @property
+    def probs(self) -> dict[str, torch.Tensor]:
+        """``[k, V]`` distributions of the drafts that were sampled, for
+        ``ModelRunner.execute`` (the rejection sampler); deterministic drafts have none."""
+        return {rid: p.probs for rid, p in self.proposals.items() if p.probs is not None}
+
+    def without(self, request_id: str) -> Drafts:
+        """These drafts less ``request_id``'s (the request left before they were used)."""
+        return Drafts({rid: p for rid, p in self.proposals.items() if rid != request_id})
+
+
+@dataclass(frozen=True)
 class SpeculationConfig:
     method: SpecMethod
     """The engine's default method (a request may pick another configured one)."""
@@ -88,27 +115,23 @@ class Speculator:
         self._controllers: dict[str, AdaptiveK] = {}
         self._cost = {m: drafting_cost.get(m, 0.0) + VERIFY_COST_PER_TOKEN for m in proposers}
 
-    def propose(self, running: Sequence[Request], max_model_len: int) -> dict[str, torch.Tensor]:
-        """Set ``draft_token_ids`` on the requests that speculate next step; returns the
-        draft distributions of those whose proposer sampled."""
+    def propose(self, running: Sequence[Request], max_model_len: int) -> Drafts:
+        """Proposals for the requests of ``running`` that speculate next step (see the
+        module docstring). Advances their adaptive k; leaves the requests untouched."""
         by_method: dict[SpecMethod, list[tuple[Request, int]]] = {}
         for request in running:
             method, k = self._plan(request, max_model_len)
             if k > 0:
                 by_method.setdefault(method, []).append((request, k))
-        probs: dict[str, torch.Tensor] = {}
+        proposals: dict[str, Proposal] = {}
         for method, batch in by_method.items():
             start = time.perf_counter()
-            proposals = self.proposers[method].propose(batch)
+            made = self.proposers[method].propose(batch)
             self.stats.proposer_seconds += time.perf_counter() - start
             for request, _ in batch:
-                proposal = proposals.get(request.request_id)
-                if proposal is None:
-                    continue
-                request.draft_token_ids = list(proposal.token_ids)
-                if proposal.probs is not None:
-                    probs[request.request_id] = proposal.probs
-        return probs
+                if request.request_id in made:
+                    proposals[request.request_id] = made[request.request_id]
+        return Drafts(proposals)
 
     def observe(self, update: StepUpdate) -> None:
         stats = self.stats
