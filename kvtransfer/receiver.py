@@ -212,7 +212,7 @@ class KVReceiver:
     async def _pull_serialized(self, peer: _Peer, pull: _PullRequest) -> torch.Tensor:
         try:
             await asyncio.wait_for(peer.lock.acquire(), pull.deadline.remaining())
-        except asyncio.TimeoutError:
+        except TimeoutError:
             detail = "earlier pulls from this prefill worker did not finish in time"
             raise KVPullFailed(PullFailure.TIMEOUT, peer.endpoint, pull.lease_id, detail) from None
         try:

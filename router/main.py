@@ -23,6 +23,7 @@ from tandem.router.routing.inflight import InflightLoad
 from tandem.router.routing.policy import PolicyName, make_policy
 from tandem.router.routing.prefix_aware import PrefixCost
 from tandem.router.service import GenerationService
+from tandem.router.stall import StallPolicy
 from tandem.router.validation import RequestValidator
 
 log = logging.getLogger(__name__)
@@ -47,6 +48,8 @@ class RouterOptions:
     """Serve Prometheus ``GET /metrics`` here (0: a free port); ``None``: no endpoint."""
     readiness: ReadinessRule = ReadinessRule()
     """Worker counts below which the router reports ``NOT_SERVING``."""
+    stall: StallPolicy = StallPolicy()
+    """When a decode stream that sends nothing is moved to another worker."""
     drain_timeout_s: float = 25.0
     """On SIGTERM: how long client streams in flight may still run (new ones are refused
     and readiness turns ``NOT_SERVING`` at once)."""
@@ -113,7 +116,9 @@ async def run(
         clients,
         prefill_policy,
         decode_policy,
-        OrchestratorConfig(disaggregation_min_tokens=options.disaggregation_min_tokens),
+        OrchestratorConfig(
+            disaggregation_min_tokens=options.disaggregation_min_tokens, stall=options.stall
+        ),
         indexer=indexer,
         inflight=inflight,
         metrics=metrics,

@@ -45,6 +45,7 @@ from tandem.router.metrics import RouterMetrics
 from tandem.router.routing.inflight import InflightLoad
 from tandem.router.routing.live_pools import LivePools
 from tandem.router.routing.policy import RoutingPolicy, RoutingRequest
+from tandem.router.stall import StallPolicy, StreamClock, StreamStalled
 from tandem.router.validation import ValidatedRequest
 
 log = logging.getLogger(__name__)
@@ -81,6 +82,8 @@ class OrchestratorConfig:
     """Shorter prompts skip the prefill pool: the decode worker prefills them itself."""
     max_prefill_attempts: int = 2
     max_decode_attempts: int = 3
+    stall: StallPolicy = StallPolicy()
+    """When a decode stream that sends nothing counts as stalled (``router.stall``)."""
 
 
 @dataclass(frozen=True)
@@ -266,7 +269,7 @@ class Orchestrator:
             )
             call = self.clients.decode(worker).Decode(message, timeout=_remaining(deadline))
             try:
-                async for response in call:
+                async for response in _within_bounds(call, StreamClock(self.config.stall)):
                     self._note_kv(response, trace)
                     produced.extend(response.token_ids)
                     finish = FINISH_REASON_FROM_PROTO[response.finish_reason]
@@ -275,6 +278,10 @@ class Orchestrator:
                     yield TokenChunk(tuple(response.token_ids), tuple(response.logprobs), finish)
                     if finish is not None:
                         return
+            except StreamStalled as err:
+                log.warning(
+                    "decode on %s stalled (%s); continuing elsewhere", worker.info.worker_id, err
+                )
             except (grpc.aio.AioRpcError, asyncio.CancelledError) as err:
                 if not worker_failed(err):
                     raise
@@ -341,6 +348,24 @@ class Orchestrator:
         matched = routing.matched_blocks.get(choice.info.worker_id, 0)
         self.metrics.decided(time.perf_counter() - start)
         return _Pick(choice, matched)
+
+
+async def _within_bounds(
+    call: grpc.aio.UnaryStreamCall, clock: StreamClock
+) -> AsyncIterator[worker_pb2.DecodeResponse]:
+    """The call's messages, each within the clock's bound; ``StreamStalled`` past it.
+    (``asyncio.timeout`` arms one timer per message: no task is created.)"""
+    while True:
+        bound = clock.next_bound_s()
+        try:
+            async with asyncio.timeout(bound):
+                response = await call.read()
+        except TimeoutError:
+            raise StreamStalled(f"no message for {bound:.1f} s") from None
+        if response is grpc.aio.EOF:
+            return
+        clock.observe()
+        yield response
 
 
 def _why(err: BaseException) -> str:

@@ -129,6 +129,32 @@ def test_decode_worker_killed_mid_stream_continues_elsewhere(make_cluster, offli
     assert tokens == _expected(offline, [prompt], 600)[0]
 
 
+def test_a_stalled_decode_worker_is_left_and_the_stream_continues_elsewhere(make_cluster, offline):
+    """SIGSTOP: the worker's connections stay open and nothing arrives; the router's
+    stall bound moves the stream, which ends token-identical."""
+    cluster = make_cluster(num_decode=2, router_args=("--stall-timeout", "1"))
+    prompt = random_prompts(1, 4096, (70, 70), seed=46)[0]
+    tokens: list[int] = []
+    stopped: list[int] = []
+    try:
+        for response in stream_generate(
+            cluster.router_address, prompt, _greedy(400), timeout_s=120
+        ):
+            tokens += response.token_ids
+            if not stopped and len(tokens) >= 10:
+                busy = [
+                    n for n in ("decode-0", "decode-1") if worker_status(cluster, n).num_running
+                ]
+                assert len(busy) == 1
+                stopped.append(_pid(cluster, busy[0]))
+                os.kill(stopped[0], signal.SIGSTOP)
+    finally:
+        for pid in stopped:
+            os.kill(pid, signal.SIGCONT)
+    assert stopped, "the stream ended before a worker could be stopped"
+    assert tokens == _expected(offline, [prompt], 400)[0]
+
+
 @pytest.mark.parametrize("drain_timeout", ["60", "0.2"], ids=["drains", "drain-times-out"])
 def test_sigterm_to_a_decode_worker_loses_no_stream(make_cluster, offline, drain_timeout):
     """The signal Kubernetes sends on every rollout: the worker leaves the registry, its

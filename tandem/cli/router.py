@@ -53,6 +53,13 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         type=positive_int,
         help="longest prompt + output accepted (default: the checkpoint's context)",
     )
+    router.add_argument(
+        "--stall-timeout",
+        type=float,
+        default=10.0,
+        help="a decode stream silent for max(this, 20 x its mean time per token), or 3x "
+        "this before its first token, moves to another decode worker",
+    )
     ready = router.add_argument_group(
         "readiness",
         "gRPC health (service '') is NOT_SERVING while fewer workers than these are "
@@ -148,6 +155,7 @@ def run(args: argparse.Namespace) -> int:
     from tandem.router.main import RouterOptions, run
     from tandem.router.readiness import ReadinessRule
     from tandem.router.routing.policy import PolicyName
+    from tandem.router.stall import StallPolicy
 
     require_redis(args)
     logging.basicConfig(level=args.log_level)
@@ -156,6 +164,7 @@ def run(args: argparse.Namespace) -> int:
             prefix_cost(role, args) for role in (WorkerRole.PREFILL, WorkerRole.DECODE)
         )
         readiness = ReadinessRule(args.min_decode_workers, args.min_prefill_workers)
+        stall = StallPolicy(floor_s=args.stall_timeout)
     except ValueError as err:
         raise SystemExit(f"error: {err}") from err
     options = RouterOptions(
@@ -173,6 +182,7 @@ def run(args: argparse.Namespace) -> int:
         max_model_len=args.max_model_len,
         metrics_port=args.metrics_port,
         readiness=readiness,
+        stall=stall,
         drain_timeout_s=args.drain_timeout,
     )
     asyncio.run(run(options))
