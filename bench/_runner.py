@@ -1,7 +1,8 @@
 """What every system runner does, whatever the system under test.
 
 ``throughput.py`` starts one runner subprocess per (system, workload) as
-``python -m bench._<system>_runner JOB.json RESULT.json``. The runner loads the model once,
+``python -m tandem.bench._<system>_runner JOB.json RESULT.json`` (the vLLM runner by
+path, ``python bench/_vllm_runner.py ...``). The runner loads the model once,
 warms up, times one ``generate`` call over the whole workload (model load excluded),
 reads the system's KV waste, times the batch-1 decode probe, and writes a ``RunnerResult``.
 

@@ -116,7 +116,7 @@ def _report(label: str, direct: list[float], router: list[float]) -> str:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", help="checkpoint (default: the built-in tiny model)")
+    parser.add_argument("--model", help="checkpoint (default: the built-in trained model)")
     parser.add_argument("--requests", type=int, default=400)
     parser.add_argument("--warmup", type=int, default=20)
     parser.add_argument("--port", type=int, default=50061)

@@ -10,7 +10,7 @@ import re
 import pytest
 
 from tandem.cli import options, worker
-from tandem.cli.main import build_parser
+from tandem.cli.main import build_parser, main
 from tandem.common.sampling_params import SpecMethod
 from tandem.engine.attention.base import AttentionBackendKind
 from tandem.engine.config import _DTYPES, EngineConfig
@@ -26,8 +26,9 @@ def _subcommands() -> dict[str, argparse.ArgumentParser]:
 
 
 def _parse_error(argv: list[str], capsys: pytest.CaptureFixture[str]) -> str:
+    """What ``tandem ARGV`` says on stderr when it refuses its arguments (exit 2)."""
     with pytest.raises(SystemExit) as exit_info:
-        build_parser().parse_args(argv)
+        main(argv)
     assert exit_info.value.code == 2
     return capsys.readouterr().err
 
@@ -70,6 +71,7 @@ def test_engine_flags_name_engine_fields_and_state_their_defaults() -> None:
 def test_each_role_takes_only_its_own_flags(capsys: pytest.CaptureFixture[str]) -> None:
     decode_only = ["--speculative-method", "ngram", "--kv-pull-timeout", "3"]
     err = _parse_error(["prefill-worker", *SERVER, *decode_only], capsys)
+    assert err.startswith("usage: tandem prefill-worker")  # the subcommand's own usage
     assert "unrecognized arguments: --speculative-method ngram --kv-pull-timeout 3" in err
     assert "--lease-ttl" in _parse_error(["decode-worker", *SERVER, "--lease-ttl", "5"], capsys)
     assert "--num-kv-blocks" in _parse_error(["router", *SERVER, "--num-kv-blocks", "8"], capsys)
@@ -88,6 +90,19 @@ def test_bad_enumerated_values_are_refused_by_name(capsys: pytest.CaptureFixture
     assert "--max-num-seqs: expected an integer >= 1, got 0" in err
 
 
+def test_a_draft_proposer_needs_a_draft_model_and_none_turns_speculation_off(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    err = _parse_error(["decode-worker", *SERVER, "--speculative-method", "draft"], capsys)
+    assert err.startswith("usage: tandem decode-worker")
+    assert "--speculative-method draft needs --draft-model DIR" in err
+    err = _parse_error(["serve", "--model", "m", "--speculative-method", "draft"], capsys)
+    assert "needs --draft-model DIR with --model" in err
+    off = ["--speculative-method", "none", "--draft-model", "d", "--max-num-seqs", "2"]
+    args = build_parser().parse_args(["decode-worker", *SERVER, *off])
+    assert worker.engine_settings(args) == {"max_num_seqs": 2}
+
+
 def test_only_the_engine_flags_given_reach_the_engine() -> None:
     args = build_parser().parse_args(
         ["decode-worker", *SERVER, "--device", "cuda:1", "--max-num-seqs", "8", "--seed", "0"]
@@ -103,3 +118,4 @@ def test_help_shows_defaults(capsys: pytest.CaptureFixture[str]) -> None:
     assert "gRPC port of the public API (default: 50051)" in text
     assert "(default: prefix_aware)" in text
     assert "(default: None)" not in text
+    assert "``" not in text

@@ -8,11 +8,8 @@ list anyway, a wheel silently leaves it out: so the list is checked against the 
 from __future__ import annotations
 
 import importlib.metadata
+import tomllib
 from pathlib import Path
-
-import pytest
-
-tomllib = pytest.importorskip("tomllib", reason="Python 3.11+ reads pyproject.toml")
 
 ROOT = Path(__file__).resolve().parent.parent
 SETUPTOOLS = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]

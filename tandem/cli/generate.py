@@ -35,16 +35,26 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--model", default="", help="model name to check against the served one (default: any)"
     )
-    p.add_argument("--max-tokens", type=int, metavar="N", help="most tokens to generate")
-    p.add_argument("--temperature", type=float, metavar="T", help="0 means greedy")
-    p.add_argument("--top-p", type=float, metavar="P", help="nucleus sampling: keep mass P")
-    p.add_argument("--top-k", type=int, metavar="K", help="sample among the K likeliest tokens")
-    p.add_argument("--seed", type=int, metavar="N", help="seed for reproducible sampling")
+    p.add_argument(
+        "--max-tokens", type=int, metavar="N", help="most tokens to generate (default: 16)"
+    )
+    p.add_argument("--temperature", type=float, metavar="T", help="0 means greedy (default: 1.0)")
+    p.add_argument(
+        "--top-p", type=float, metavar="P", help="nucleus sampling: keep mass P (default: 1.0)"
+    )
+    p.add_argument(
+        "--top-k", type=int, metavar="K", help="sample among the K likeliest (default: all)"
+    )
+    p.add_argument(
+        "--seed", type=int, metavar="N", help="seed for reproducible sampling (default: none)"
+    )
     p.add_argument(
         "--stop", action="append", default=[], metavar="TEXT", help="stop string (repeatable)"
     )
     p.add_argument("--ignore-eos", action="store_true", help="generate until max tokens")
-    p.add_argument("--timeout", type=float, metavar="S", help="deadline for the whole stream")
+    p.add_argument(
+        "--timeout", type=float, metavar="S", help="deadline for the whole stream (default: none)"
+    )
     p.set_defaults(run=run)
 
 

@@ -12,13 +12,14 @@ import sys
 from collections.abc import Sequence
 
 from tandem.cli import generate, make_model, router, serve, worker
+from tandem.cli.options import plain
 
 _SUBCOMMANDS = (serve, router, worker, generate, make_model)
 """In the order ``tandem --help`` lists them."""
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="tandem", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="tandem", description=plain(__doc__.splitlines()[0]))
     parser.add_argument("--version", action="version", version=_version())
     subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for module in _SUBCOMMANDS:
@@ -27,7 +28,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    args, unknown = build_parser().parse_known_args(argv)
+    if unknown:  # reported with the subcommand's usage, not the top-level one
+        args.parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     return int(args.run(args) or 0)
 
 

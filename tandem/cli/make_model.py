@@ -83,22 +83,23 @@ def _add_training_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--train-minutes",
         type=float,
-        help=f"wall-clock budget per model (default {DEFAULT_TRAIN_MINUTES:g} without "
+        help=f"wall-clock budget per model (default: {DEFAULT_TRAIN_MINUTES:g} without "
         "--train-steps)",
     )
-    g.add_argument("--train-steps", type=int, help="step budget per model")
-    g.add_argument("--train-batch-size", type=int, help="sequences per step")
-    g.add_argument("--train-seq-len", type=int, help="tokens per training sequence")
-    g.add_argument("--train-lr", type=float, help="peak learning rate")
+    g.add_argument("--train-steps", type=int, help="step budget per model (default: none)")
+    g.add_argument("--train-batch-size", type=int, help="sequences per step (default: 16)")
+    g.add_argument("--train-seq-len", type=int, help="tokens per sequence (default: 256)")
+    g.add_argument("--train-lr", type=float, help="peak learning rate (default: 0.003)")
     g.add_argument(
         "--distill-weight",
         type=float,
-        help="--train-pair: share of the draft's loss taken from the target's distribution",
+        help="--train-pair: share of the draft's loss taken from the target's distribution "
+        "(default: 0)",
     )
     g.add_argument(
         "--corpus-bytes", type=int, help="read only this much of the corpus (default: all)"
     )
-    g.add_argument("--log-every", type=int, help="steps between logged losses")
+    g.add_argument("--log-every", type=int, help="steps between logged losses (default: 25)")
 
 
 def run(args: argparse.Namespace) -> int:

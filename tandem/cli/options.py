@@ -36,10 +36,21 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
 def add_command(
     subparsers: argparse._SubParsersAction, name: str, summary: str, description: str = ""
 ) -> argparse.ArgumentParser:
-    """A subcommand with the shared help format."""
-    return subparsers.add_parser(
-        name, help=summary, description=description or summary, formatter_class=HelpFormatter
+    """A subcommand with the shared help format; ``args.parser`` is the subcommand's
+    parser (for usage errors found after parsing)."""
+    parser = subparsers.add_parser(
+        name,
+        help=summary,
+        description=plain(description or summary),
+        formatter_class=HelpFormatter,
     )
+    parser.set_defaults(parser=parser)
+    return parser
+
+
+def plain(text: str) -> str:
+    """A docstring line as terminal text (no reST literal markup)."""
+    return text.replace("``", "")
 
 
 def add_server_options(parser: argparse.ArgumentParser) -> None:

@@ -87,6 +87,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 def _run(args: argparse.Namespace) -> int:
     from tandem.cli.launcher import ClusterSpec, LocalCluster
 
+    if args.model and args.speculative_method == "draft" and not args.draft_model:
+        args.parser.error("--speculative-method draft needs --draft-model DIR with --model")
     model = args.model or str(default_model())
     spec = ClusterSpec(
         model_dir=model,

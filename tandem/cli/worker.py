@@ -49,7 +49,11 @@ ENGINE_FLAGS: tuple[EngineFlag, ...] = (
     EngineFlag("dtype", str, "compute dtype (default: auto, the checkpoint's)", DTYPES),
     EngineFlag("device", device, "auto, cpu, cuda or cuda:N (default: auto, CUDA if present)"),
     EngineFlag("block-size", positive_int, "tokens per KV block (default: 16; 256 with flash)"),
-    EngineFlag("num-kv-blocks", positive_int, "exact KV pool size in blocks (overrides memory)"),
+    EngineFlag(
+        "num-kv-blocks",
+        positive_int,
+        "exact KV pool size in blocks (default: from --kv-cache-memory-gb)",
+    ),
     EngineFlag(
         "kv-cache-memory-gb",
         float,
@@ -89,13 +93,16 @@ SPECULATIVE_FLAGS: tuple[EngineFlag, ...] = (
     EngineFlag(
         "speculative-method",
         str,
-        "default proposer for speculative decoding (default: off, or draft with --draft-model)",
-        SPECULATIVE_METHODS,
+        "default proposer for speculative decoding; none: off (default: off, or draft "
+        "with --draft-model)",
+        (*SPECULATIVE_METHODS, "none"),
     ),
     EngineFlag(
         "num-speculative-tokens", positive_int, "most tokens proposed per step (default: 4)"
     ),
-    EngineFlag("draft-model", str, "draft checkpoint, same tokenizer (implies draft)"),
+    EngineFlag(
+        "draft-model", str, "draft checkpoint, same tokenizer (implies draft; default: none)"
+    ),
     EngineFlag("ngram-max-n", positive_int, "longest n-gram prompt lookup matches (default: 4)"),
 )
 ROLE_ENGINE_FLAGS: dict[str, tuple[EngineFlag, ...]] = {
@@ -151,15 +158,30 @@ def _add_worker(subparsers: argparse._SubParsersAction, role: str) -> argparse.A
 
 
 def engine_settings(args: argparse.Namespace) -> dict[str, object]:
-    """The ``EngineConfig`` fields given on the command line (the rest keep defaults)."""
-    flags = ROLE_ENGINE_FLAGS[args.role]
-    return {f.field: getattr(args, f.field) for f in flags if getattr(args, f.field) is not None}
+    """The ``EngineConfig`` fields given on the command line (the rest keep defaults);
+    ``--speculative-method none`` turns speculation off, a draft model included."""
+    given = {
+        f.field: getattr(args, f.field)
+        for f in ROLE_ENGINE_FLAGS[args.role]
+        if getattr(args, f.field) is not None
+    }
+    if given.get("speculative_method") == "none":
+        for field in ("speculative_method", "draft_model"):
+            given.pop(field, None)
+    return given
+
+
+def check_speculation(args: argparse.Namespace) -> None:
+    """Refuse, as a usage error, a draft proposer without a draft model."""
+    if getattr(args, "speculative_method", None) == "draft" and not args.draft_model:
+        args.parser.error("--speculative-method draft needs --draft-model DIR")
 
 
 def run(args: argparse.Namespace) -> int:
     from tandem.common.registry import WorkerRole
     from tandem.common.worker_host import WorkerOptions
 
+    check_speculation(args)
     require_redis(args)
     logging.basicConfig(level=args.log_level)
     prefill = args.role == "prefill"
