@@ -33,6 +33,21 @@ from tandem.engine.spec_decode.speculator import Drafts, Speculator
 KVEventCallback = Callable[[list[KVCacheEvent]], None]
 
 
+def check_config(config: EngineConfig) -> int:
+    """What an engine checks at start-up before it loads weights: the checkpoint's
+    config, the runtime the settings resolve to, and that the KV pool holds at least one
+    full-length sequence. Returns the pool's size in blocks (on GPU an estimate: the
+    engine sizes it from the memory free after loading). Raises ``ValueError`` naming
+    the setting at fault; for launchers that validate before starting anything."""
+    model_config = ModelConfig.from_dir(config.model)
+    runtime = resolve_runtime(config, model_config)
+    return num_kv_blocks(config, runtime, _kv_layout(model_config, runtime).bytes_per_block)
+
+
+def _kv_layout(mc: ModelConfig, rt: EngineRuntime) -> KVCacheLayout:
+    return KVCacheLayout(rt.block_size, mc.num_layers, mc.num_kv_heads, mc.head_dim, rt.dtype)
+
+
 class LLMEngine:
     def __init__(
         self,
@@ -50,7 +65,7 @@ class LLMEngine:
         self.runtime: EngineRuntime = resolve_runtime(config, self.model_config)
         self._on_kv_events = on_kv_events
         mc, rt = self.model_config, self.runtime
-        layout = KVCacheLayout(rt.block_size, mc.num_layers, mc.num_kv_heads, mc.head_dim, rt.dtype)
+        layout = _kv_layout(mc, rt)
         self.runner = ModelRunner(
             config.model,
             mc,

@@ -25,13 +25,14 @@ from typing import TextIO
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from tandem.cli.options import CommandError
 from tandem.common.redis_server import EmbeddedRedis
 from tandem.protos import generation_pb2, generation_pb2_grpc
 
 READY_PREFIX = "READY "
 
 
-class ClusterStartError(RuntimeError):
+class ClusterStartError(CommandError):
     """A process died or did not become ready in time; the message names it."""
 
 
@@ -55,14 +56,27 @@ class ClusterSpec:
     """Torch threads per worker; default: the machine's cores shared among workers."""
     log_dir: Path | None = None
     env: tuple[tuple[str, str], ...] = ()
+    log_level: str = "INFO"
+    """Every component's ``--log-level``."""
+    restart: bool = False
+    """Restart a component that dies after start-up (``tandem serve``), with backoff.
+    Off for tests, which kill components on purpose and watch what follows."""
+
+
+RESTART_BACKOFF_S = (1.0, 2.0, 5.0, 10.0, 30.0)
+"""Delay before the n-th restart in a row; a component up for ``STABLE_S`` starts over."""
+STABLE_S = 60.0
 
 
 @dataclass
 class _Child:
     name: str
     process: subprocess.Popen[str]
+    args: list[str]
     ready: threading.Event = field(default_factory=threading.Event)
     ready_line: str = ""
+    started_at: float = field(default_factory=time.monotonic)
+    restarts: int = 0
 
 
 class LocalCluster:
@@ -71,6 +85,9 @@ class LocalCluster:
         self.redis: EmbeddedRedis | None = None
         self.redis_url = spec.redis_url or ""
         self.children: dict[str, _Child] = {}
+        self.num_restarts = 0
+        self._stopping = threading.Event()
+        self._supervisor: threading.Thread | None = None
 
     @property
     def router_address(self) -> str:
@@ -105,6 +122,11 @@ class LocalCluster:
         except BaseException:
             self.stop()
             raise
+        if self.spec.restart:
+            self._supervisor = threading.Thread(
+                target=self._supervise, daemon=True, name="supervisor"
+            )
+            self._supervisor.start()
         return self
 
     def start_worker(self, role: str, name: str) -> None:
@@ -174,7 +196,12 @@ class LocalCluster:
         child.process.send_signal(sig)
         child.process.wait(timeout=30)
 
-    def stop(self, grace_s: float = 10.0) -> None:
+    def stop(self, grace_s: float = 30.0) -> None:
+        """SIGTERM to every component (each drains: see ``--drain-timeout``), SIGKILL to
+        those still running after ``grace_s``."""
+        self._stopping.set()
+        if self._supervisor is not None:
+            self._supervisor.join()
         for child in self.children.values():
             if child.process.poll() is None:
                 child.process.send_signal(signal.SIGTERM)
@@ -210,10 +237,33 @@ class LocalCluster:
             self.redis_url,
             "--host",
             self.spec.host,
+            "--log-level",
+            self.spec.log_level,
         ]
         if self.spec.model_name:
             args += ["--model-name", self.spec.model_name]
         return [*args, *extra]
+
+    def _supervise(self) -> None:
+        """Restart components that died, with backoff, until ``stop``."""
+        while not self._stopping.wait(0.5):
+            for name, child in list(self.children.items()):
+                code = child.process.poll()
+                if code is None or self.children.get(name) is not child:
+                    continue
+                up_s = time.monotonic() - child.started_at
+                streak = 0 if up_s >= STABLE_S else child.restarts
+                delay = RESTART_BACKOFF_S[min(streak, len(RESTART_BACKOFF_S) - 1)]
+                print(
+                    f"[launcher] {name} exited with code {code} after {up_s:.0f} s; "
+                    f"restarting in {delay:g} s",
+                    flush=True,
+                )
+                if self._stopping.wait(delay):
+                    return
+                self._spawn(name, child.args)
+                self.children[name].restarts = streak + 1
+                self.num_restarts += 1
 
     def _spawn(self, name: str, args: list[str]) -> None:
         env = {**os.environ, "PYTHONUNBUFFERED": "1", **dict(self.spec.env)}
@@ -225,7 +275,7 @@ class LocalCluster:
             env=env,
             start_new_session=True,  # Ctrl-C reaches the launcher only; it stops children in order
         )
-        child = _Child(name, process)
+        child = _Child(name, process, args)
         self.children[name] = child
         sink = self._sink(name)
         threading.Thread(target=_pump, args=(child, sink), daemon=True, name=f"log-{name}").start()

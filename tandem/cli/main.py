@@ -12,9 +12,10 @@ import sys
 from collections.abc import Sequence
 
 from tandem.cli import generate, make_model, router, serve, worker
-from tandem.cli.options import plain
+from tandem.cli.options import is_expected, plain
 
 _SUBCOMMANDS = (serve, router, worker, generate, make_model)
+EXIT_INTERRUPTED = 130
 """In the order ``tandem --help`` lists them."""
 
 
@@ -27,11 +28,28 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def parse(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    """The command line, parsed; a usage error exits 2 with the subcommand's usage."""
     args, unknown = build_parser().parse_known_args(argv)
-    if unknown:  # reported with the subcommand's usage, not the top-level one
+    if unknown:
         args.parser.error(f"unrecognized arguments: {' '.join(unknown)}")
-    return int(args.run(args) or 0)
+    return args
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run a command. An expected failure (a bad setting, a missing file, a component
+    that died at start-up, an unreachable service) is one line on stderr and exit 1;
+    its traceback shows only with ``--log-level DEBUG``."""
+    args = parse(argv)
+    try:
+        return int(args.run(args) or 0)
+    except KeyboardInterrupt:
+        return EXIT_INTERRUPTED
+    except Exception as err:
+        if not is_expected(err) or getattr(args, "log_level", "INFO") == "DEBUG":
+            raise
+        print(f"tandem {args.command}: error: {err}", file=sys.stderr)
+        return 1
 
 
 def _version() -> str:

@@ -12,6 +12,22 @@ import os
 import re
 
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
+
+
+class CommandError(Exception):
+    """A failure a command expects and reports in one line (e.g. a cluster that did
+    not start)."""
+
+
+def is_expected(err: BaseException) -> bool:
+    """Whether ``err`` is reported as one line rather than a traceback: a bad setting
+    (``ValueError``), a file, port or connection (``OSError``), Redis unreachable, or a
+    ``CommandError``."""
+    if isinstance(err, ValueError | OSError | CommandError):
+        return True
+    return type(err).__module__.startswith("redis.")
+
+
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 ATTENTION_BACKENDS = ("cpu", "sdpa", "torch", "flash")
 LINEAR_BACKENDS = ("onednn", "torch")

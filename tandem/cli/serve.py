@@ -14,10 +14,10 @@ import threading
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from tandem.cli.options import SPECULATIVE_METHODS, add_command, positive_int
+from tandem.cli.options import LOG_LEVELS, SPECULATIVE_METHODS, add_command, positive_int
 
 if TYPE_CHECKING:
-    from tandem.cli.launcher import LocalCluster
+    from tandem.cli.launcher import ClusterSpec, LocalCluster
 
 DEMO_PROMPT = "def fibonacci(n):"
 
@@ -40,6 +40,12 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     serve.add_argument("--redis-url", help="an existing Redis (default: start an embedded one)")
     serve.add_argument("--log-dir", type=Path, help="one log file per process (default: echo)")
     serve.add_argument("--demo", action="store_true", help="answer a sample request, then stop")
+    serve.add_argument(
+        "--log-level",
+        default="INFO",
+        choices=LOG_LEVELS,
+        help="every component's logging threshold (DEBUG also shows tracebacks)",
+    )
     extra = serve.add_argument_group(
         "pass-through flags", "Repeatable; each value is one flag of the component's command."
     )
@@ -105,7 +111,14 @@ def _run(args: argparse.Namespace) -> int:
         decode_args=(*_speculative_args(args), *args.decode_worker_arg),
         router_args=tuple(args.router_arg),
         log_dir=args.log_dir,
+        log_level=args.log_level,
+        restart=not args.demo,
     )
+    try:
+        check_flags(spec)
+    except ValueError as err:  # a usage error: nothing was started
+        print(f"tandem serve: error: {err}", file=sys.stderr)
+        return 2
     cluster = LocalCluster(spec)
     print(f"starting {spec.num_prefill} prefill + {spec.num_decode} decode workers for {model}")
     with cluster:
@@ -120,6 +133,29 @@ def _run(args: argparse.Namespace) -> int:
         _wait_for_ctrl_c()
         print("stopping")
     return 0
+
+
+def check_flags(spec: ClusterSpec) -> None:
+    """Parse every component's flags as it will, and check each worker role's engine
+    settings against the checkpoint, before anything starts: a bad flag exits 2 with
+    that component's usage, a setting that cannot work raises ``ValueError`` naming it."""
+    from tandem.cli.main import parse
+    from tandem.cli.worker import check_speculation, engine_settings
+    from tandem.engine.config import EngineConfig
+    from tandem.engine.llm_engine import check_config
+
+    common = ("--model", spec.model_dir, "--redis-url", "redis://unused")
+    parse(["router", *common, *spec.router_args])
+    roles = {"prefill": spec.prefill_args, "decode": spec.decode_args}
+    for role, role_args in roles.items():
+        if role == "prefill" and not spec.num_prefill:
+            continue
+        args = parse([f"{role}-worker", *common, *spec.worker_args, *role_args])
+        check_speculation(args)
+        try:
+            check_config(EngineConfig(model=spec.model_dir, **engine_settings(args)))
+        except ValueError as err:
+            raise ValueError(f"{role} workers: {err}") from None
 
 
 def _speculative_args(args: argparse.Namespace) -> list[str]:
