@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import grpc
 
+from tandem.common.faults import fault_at
 from tandem.common.kv_events.publisher import KVEventPublisher
 from tandem.common.kv_events.wire import snapshot_to_proto
 from tandem.common.wire import FINISH_REASON_TO_PROTO, logprobs_to_proto, sampling_from_proto
@@ -63,6 +64,8 @@ class DecodeService(worker_pb2_grpc.DecodeWorkerServicer):
         self._pulls: dict[str, _PendingPull] = {}
         self._background: set[asyncio.Task[None]] = set()
         self._kv_caches = engine.engine.runner.kv_caches
+        self._fault = fault_at("decode.stream")
+        self._dropping = self._fault is not None and self._fault.action == "drop"
 
     async def Decode(
         self, request: worker_pb2.DecodeRequest, context: grpc.aio.ServicerContext
@@ -98,6 +101,8 @@ class DecodeService(worker_pb2_grpc.DecodeWorkerServicer):
                     if first:
                         self._describe_kv(response, rid, delta.num_cached_tokens)
                         first = False
+                    if self._fault is not None and self._fault.fire() and self._dropping:
+                        return  # fault point decode.stream, drop: end without a finish
                     yield response
         except ValueError as err:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))

@@ -14,9 +14,11 @@ import asyncio
 import logging
 import queue
 import threading
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import TypeVar
 
+from tandem.common.faults import fault_at
 from tandem.common.sampling_params import SamplingParams
 from tandem.engine.llm_engine import LLMEngine
 from tandem.engine.outputs import EngineLoad, RequestDelta
@@ -51,11 +53,20 @@ class AsyncEngine:
         self._stopping = threading.Event()
         self._tasks: set[asyncio.Future[None]] = set()
         self._load = engine.load()
+        self._advanced_at = time.monotonic()
+        self._fault = fault_at("engine.step")
 
     @property
     def load(self) -> EngineLoad:
         """Refreshed after every step; safe to read from any thread."""
         return self._load
+
+    @property
+    def stalled_for_s(self) -> float:
+        """Seconds since the engine thread last went round its loop. It goes round at
+        least every ``IDLE_WAIT_S`` when idle and once per step when busy, so a value
+        far above a step's time means a step or a command is stuck. Any thread."""
+        return time.monotonic() - self._advanced_at
 
     def start(self) -> None:
         self._loop = asyncio.get_running_loop()
@@ -122,11 +133,14 @@ class AsyncEngine:
 
     def _run(self) -> None:
         while not self._stopping.is_set():
+            self._advanced_at = time.monotonic()
             nothing_to_do = self.engine.last_step_idle or not self.engine.has_unfinished_requests()
             if self._drain_commands(block=nothing_to_do):
                 self._load = self.engine.load()
             if not self.engine.has_unfinished_requests():
                 continue
+            if self._fault is not None:  # fault point engine.step: delay or crash
+                self._fault.fire()
             try:
                 deltas = self.engine.step()
             except Exception as exc:

@@ -78,6 +78,8 @@ class PullFailure(enum.Enum):
     """The sender is unreachable, died, or the pair's connection broke."""
     RPC_ERROR = "rpc error"
     """Any other error status or protocol violation from the sender."""
+    CORRUPT = "corrupt"
+    """The bytes that arrived do not match the sender's checksum; they are never used."""
 
 
 class KVPullFailed(KVTransferError):

@@ -21,6 +21,7 @@ from types import MappingProxyType
 import grpc
 import torch
 
+from tandem.kvtransfer.blocks import checksum
 from tandem.kvtransfer.deadline import Deadline
 from tandem.kvtransfer.errors import (
     KVPullFailed,
@@ -87,6 +88,10 @@ class _PullRequest:
 
 class _ProtocolViolation(Exception):
     """The sender answered something this receiver cannot use."""
+
+
+class _Corrupt(Exception):
+    """The bytes received are not the bytes sent."""
 
 
 class _Link:
@@ -243,6 +248,8 @@ class KVReceiver:
             reason, detail = PullFailure.PEER_LOST, str(error)
         except _ProtocolViolation as error:
             reason, detail = PullFailure.RPC_ERROR, str(error)
+        except _Corrupt as error:
+            reason, detail = PullFailure.CORRUPT, str(error)
         raise KVPullFailed(reason, peer.endpoint, pull.lease_id, detail)
 
     async def _connect(self, peer: _Peer, deadline: Deadline) -> _Link:
@@ -289,11 +296,14 @@ class KVReceiver:
         expected = buffer.numel() * buffer.element_size()
         if reply.bytes_sent != expected:
             raise _ProtocolViolation(f"sender sent {reply.bytes_sent} bytes, not {expected}")
-        return await asyncio.to_thread(self._land, pending, pull)
+        return await asyncio.to_thread(self._land, pending, pull, reply.checksum)
 
-    def _land(self, pending: PendingRecv, pull: _PullRequest) -> torch.Tensor:
-        """Waits for the data, then moves it to ``device`` if it arrived elsewhere."""
+    def _land(self, pending: PendingRecv, pull: _PullRequest, expected: int) -> torch.Tensor:
+        """Waits for the data, checks it against the sender's checksum (``_Corrupt``),
+        then moves it to ``device`` if it arrived elsewhere."""
         pending.wait(pull.deadline.remaining())
+        if checksum(pending.tensor) != expected:
+            raise _Corrupt("the KV bytes received do not match the sender's checksum")
         if pull.out is None:
             return pending.tensor.to(self.device)
         return pull.out if pending.tensor is pull.out else pull.out.copy_(pending.tensor)

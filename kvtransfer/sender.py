@@ -27,7 +27,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from tandem.kvtransfer.blocks import pack_blocks
+from tandem.common.faults import fault_at
+from tandem.kvtransfer.blocks import checksum, pack_blocks
 from tandem.kvtransfer.deadline import Deadline
 from tandem.kvtransfer.errors import PairBroken, PairTimeout, UnknownPair
 from tandem.kvtransfer.layout import KVLayout, check_compatible
@@ -97,6 +98,13 @@ class _PairSlot:
         self._staging = None
 
 
+@dataclass(frozen=True)
+class SentBlocks:
+    nbytes: int
+    checksum: int
+    """``blocks.checksum`` of the bytes, taken before they were sent."""
+
+
 class KVSender:
     """Serves one engine's KV cache to decode workers.
 
@@ -140,6 +148,7 @@ class KVSender:
         self._pairs: dict[str, _PairSlot] = {}
         self._generations: dict[str, int] = {}
         self._joins: list[threading.Thread] = []
+        self._fault = fault_at("kv.send")
 
     def handshake(
         self, decode_worker_id: str, remote: kv_transfer_pb2.KVCompat, remote_device_type: str
@@ -170,9 +179,12 @@ class KVSender:
 
     def send_blocks(
         self, pair_id: str, generation: int, block_ids: Sequence[int], tag: int, timeout: float
-    ) -> int:
+    ) -> SentBlocks:
         """Packs ``block_ids`` and sends them to the pair's receiver under ``tag``; returns
-        the bytes sent once the send completed.
+        the bytes sent and their checksum once the send completed.
+
+        Fault point ``kv.send`` (``tandem.common.faults``): ``corrupt`` damages the bytes
+        after their checksum was taken, ``drop`` skips the send (the receiver times out).
 
         Raises ``UnknownPair`` (no such pair, or not its current generation),
         ``PairTimeout`` when the join, earlier sends to this pair, or this send outlast
@@ -187,7 +199,12 @@ class KVSender:
             raise PairTimeout(f"pair {slot.key}: earlier sends still running")
         try:
             packed = self._pack(slot, block_ids)
-            group.send(packed, tag, deadline.remaining())
+            sum_ = checksum(packed)
+            fired = self._fault.action if self._fault is not None and self._fault.fire() else None
+            if fired == "corrupt":
+                packed.reshape(-1).view(torch.uint8)[0] ^= 0xFF
+            if fired != "drop":
+                group.send(packed, tag, deadline.remaining())
         except PairBroken:
             self._drop(slot)
             raise
@@ -195,7 +212,7 @@ class KVSender:
             slot.send_lock.release()
         with self._lock:
             self.blocks_sent += len(block_ids)
-        return packed.numel() * packed.element_size()
+        return SentBlocks(packed.numel() * packed.element_size(), sum_)
 
     def close(self) -> None:
         """Closes every pair group (pending sends fail) and stops the rendezvous store,

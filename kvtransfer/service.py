@@ -21,7 +21,7 @@ import grpc
 from tandem.kvtransfer.errors import IncompatibleKV, PairBroken, PairTimeout, UnknownPair
 from tandem.kvtransfer.leases import EndedLease, LeaseTable
 from tandem.kvtransfer.pair import FIRST_TAG, LAST_TAG
-from tandem.kvtransfer.sender import KVSender
+from tandem.kvtransfer.sender import KVSender, SentBlocks
 from tandem.protos import kv_transfer_pb2, kv_transfer_pb2_grpc
 
 
@@ -103,7 +103,7 @@ class KVTransferServicer(kv_transfer_pb2_grpc.KVTransferServicer):
             sent = await asyncio.shield(sending)
         except (UnknownPair, PairBroken) as error:
             await context.abort(_status_of(error), str(error))
-        return kv_transfer_pb2.PullBlocksResponse(bytes_sent=sent)
+        return kv_transfer_pb2.PullBlocksResponse(bytes_sent=sent.nbytes, checksum=sent.checksum)
 
     async def RenewLease(
         self, request: kv_transfer_pb2.LeaseRequest, context: grpc.aio.ServicerContext
@@ -128,8 +128,8 @@ class KVTransferServicer(kv_transfer_pb2_grpc.KVTransferServicer):
             self._on_release(ended)
 
     def _send_pinned(
-        self, lease_id: str, send: Callable[[], int], loop: asyncio.AbstractEventLoop
-    ) -> int:
+        self, lease_id: str, send: Callable[[], SentBlocks], loop: asyncio.AbstractEventLoop
+    ) -> SentBlocks:
         """Runs ``send`` and then unpins the lease, both in the sending thread, so the pin
         outlives the read even when the RPC is cancelled while the thread still runs."""
         try:

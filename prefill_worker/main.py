@@ -63,6 +63,7 @@ async def run(options: WorkerOptions, stop: asyncio.Event | None = None) -> None
             make_info,
             lambda: worker_load(async_engine.load, busy),
             stop,
+            engine_stalled_s=lambda: async_engine.stalled_for_s,
         )
     finally:
         sweeper.cancel()

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 from tandem.common.grpc_server import start_server
 from tandem.common.metrics_text import serve_metrics
-from tandem.common.process import stop_on_signals
+from tandem.common.process import SHUTDOWN_GRACE_S, arm_exit_watchdog, stop_on_signals
 from tandem.common.registry import RegistryWatcher, WorkerRecord, WorkerRole
 from tandem.common.tokenizer import Tokenizer
 from tandem.protos import generation_pb2, generation_pb2_grpc
@@ -72,6 +72,7 @@ async def run(
     started: asyncio.Future[RouterState] | None = None,
 ) -> None:
     """Serve until ``stop`` (default: SIGINT/SIGTERM); ``started`` gets the live state."""
+    whole_process = stop is None  # run by a command, not embedded in another program
     stop = stop or stop_on_signals()
     clients = WorkerClients()
     metrics = RouterMetrics()
@@ -152,6 +153,8 @@ async def run(
     print(f"READY router {options.host}:{server.port}", flush=True)
     try:
         await stop.wait()
+        if whole_process:
+            arm_exit_watchdog(options.drain_timeout_s + SHUTDOWN_GRACE_S)
     finally:
         log.info("draining: up to %.0f s for the streams in flight", options.drain_timeout_s)
         await server.stop(options.drain_timeout_s)

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import grpc
 import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from tandem.cli.launcher import ClusterSpec, LocalCluster
 from tandem.common.client import AsyncGenerationClient, build_request, stream_generate
@@ -85,6 +86,26 @@ def _expected(offline: LLM, prompts: list[list[int]], n: int) -> list[list[int]]
     return [o.token_ids for o in offline.generate(prompts, params)]
 
 
+DECODERS = ("decode-0", "decode-1")
+ROUND_ROBIN = ("--decode-policy", "round_robin")
+"""Streams alternate between the decode workers, so the one with a fault gets some."""
+SERVING = health_pb2.HealthCheckResponse.SERVING
+NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
+
+
+def _health(address: str) -> int:
+    with grpc.insecure_channel(address) as channel:
+        request = health_pb2.HealthCheckRequest()
+        return health_pb2_grpc.HealthStub(channel).Check(request, timeout=5).status
+
+
+async def _tokens(client: AsyncGenerationClient, prompt: list[int], n: int) -> list[int]:
+    tokens: list[int] = []
+    async for response in client.generate(build_request(prompt, _greedy(n)), timeout_s=120):
+        tokens += response.token_ids
+    return tokens
+
+
 def _pid(cluster: LocalCluster, name: str) -> int:
     return cluster.children[name].process.pid
 
@@ -155,14 +176,14 @@ def test_a_stalled_decode_worker_is_left_and_the_stream_continues_elsewhere(make
     assert tokens == _expected(offline, [prompt], 400)[0]
 
 
-@pytest.mark.parametrize("drain_timeout", ["60", "0.2"], ids=["drains", "drain-times-out"])
+@pytest.mark.parametrize("drain_timeout", ["20", "0.2"], ids=["drains", "drain-times-out"])
 def test_sigterm_to_a_decode_worker_loses_no_stream(make_cluster, offline, drain_timeout):
     """The signal Kubernetes sends on every rollout: the worker leaves the registry, its
     streams either finish there (drains) or move on when the drain runs out; no stream
     hangs, and every one is token-identical."""
     cluster = make_cluster(num_decode=2, decode_args=("--drain-timeout", drain_timeout))
     prompts = random_prompts(8, 4096, (40, 80), seed=45)
-    on_decode_0: list[int] = []
+    signalled_worker: list[tuple[str, int]] = []  # (name, its running streams then)
 
     async def run() -> list[list[int]]:
         signalled = asyncio.Event()
@@ -175,16 +196,80 @@ def test_sigterm_to_a_decode_worker_loses_no_stream(make_cluster, offline, drain
                 tokens += response.token_ids
                 if len(tokens) >= 8 and not signalled.is_set():
                     signalled.set()
-                    on_decode_0.append(worker_status(cluster, "decode-0").num_running)
-                    os.kill(_pid(cluster, "decode-0"), signal.SIGTERM)
+                    running = {n: worker_status(cluster, n).num_running for n in DECODERS}
+                    busiest = max(running, key=running.__getitem__)
+                    signalled_worker.append((busiest, running[busiest]))
+                    os.kill(_pid(cluster, busiest), signal.SIGTERM)
             return tokens
 
         async with AsyncGenerationClient(cluster.router_address) as client:
             return list(await asyncio.gather(*(one(client, p) for p in prompts)))
 
     assert asyncio.run(run()) == _expected(offline, prompts, 300)
-    assert on_decode_0[0] > 0, "no stream was on the signalled worker"
-    assert cluster.children["decode-0"].process.wait(timeout=60) == 0
+    ((name, running),) = signalled_worker
+    assert running > 0, "no stream was on the signalled worker"
+    assert cluster.children[name].process.wait(timeout=60) == 0
+
+
+def test_a_worker_whose_engine_is_stuck_stops_being_ready_and_comes_back(make_cluster, offline):
+    """Fault point engine.step: decode-1's engine sleeps 8 s at its 25th step while its
+    event loop (health, heartbeats) runs on. It turns NOT_SERVING and leaves the
+    registry, the router moves its streams, and once the engine moves it is back."""
+    cluster = make_cluster(
+        num_decode=1,
+        router_args=("--stall-timeout", "1", *ROUND_ROBIN),
+        decode_args=("--engine-stall-timeout", "2"),
+    )
+    cluster.start_worker("decode", "decode-1", env={"TANDEM_FAULTS": "engine.step:delay=8@25"})
+    cluster.wait_ready(["decode-1"], timeout_s=60)
+    cluster.wait_for_workers(1, 2, timeout_s=30)
+    address = cluster.worker_address("decode-1")
+    prompts = random_prompts(4, 4096, (40, 60), seed=47)
+    seen: list[tuple[int, int]] = []  # (decode workers registered, decode-1's health)
+
+    def look() -> None:
+        seen.append((cluster.model_info().num_decode_workers, _health(address)))
+
+    async def run() -> list[list[int]]:
+        async def watch() -> None:
+            while True:
+                await asyncio.to_thread(look)
+                await asyncio.sleep(0.25)
+
+        watcher = asyncio.create_task(watch())
+        async with AsyncGenerationClient(cluster.router_address) as client:
+            outputs = await asyncio.gather(*(_tokens(client, p, 200) for p in prompts))
+        deadline = time.monotonic() + 30  # the engine wakes up 8 s into its stall
+        while not _left_then_came_back(seen):
+            assert time.monotonic() < deadline, f"decode-1 did not leave and come back: {seen}"
+            await asyncio.sleep(0.25)
+        watcher.cancel()
+        return list(outputs)
+
+    assert asyncio.run(run()) == _expected(offline, prompts, 200)
+
+
+def _left_then_came_back(seen: list[tuple[int, int]]) -> bool:
+    """Observed out of the registry and NOT_SERVING, then back and SERVING."""
+    gone = (1, NOT_SERVING)
+    return gone in seen and (2, SERVING) in seen[seen.index(gone) :]
+
+
+def test_a_stream_that_ends_without_a_finish_continues_elsewhere(make_cluster, offline):
+    """Fault point decode.stream, drop: decode-1 ends every stream at its 6th message
+    with an OK status and no finish reason; the router continues each one elsewhere."""
+    cluster = make_cluster(num_decode=1, router_args=ROUND_ROBIN)
+    cluster.start_worker("decode", "decode-1", env={"TANDEM_FAULTS": "decode.stream:drop@6+"})
+    cluster.wait_ready(["decode-1"], timeout_s=60)
+    cluster.wait_for_workers(1, 2, timeout_s=30)
+    prompts = random_prompts(4, 4096, (40, 60), seed=48)
+
+    async def run() -> list[list[int]]:
+        async with AsyncGenerationClient(cluster.router_address) as client:
+            return list(await asyncio.gather(*(_tokens(client, p, 64) for p in prompts)))
+
+    assert asyncio.run(run()) == _expected(offline, prompts, 64)
+    assert worker_status(cluster, "decode-1").num_requests > 0  # it did get streams
 
 
 def test_worker_that_stops_heartbeating_leaves_and_rejoins(make_cluster, offline):

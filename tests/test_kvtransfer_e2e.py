@@ -154,3 +154,28 @@ def test_sender_killed_mid_pull_then_restarted() -> None:
         await receiver.close()
 
     asyncio.run(main())
+
+
+@pytest.mark.timeout(90)
+def test_damaged_bytes_fail_the_pull_and_are_never_used(
+    monkeypatch: pytest.MonkeyPatch, prefill_caches: list[torch.Tensor]
+) -> None:
+    """The sender's second send is damaged after its checksum was taken (fault point
+    ``kv.send``): that pull fails as CORRUPT, the others deliver exact bytes."""
+    monkeypatch.setenv("TANDEM_FAULTS", "kv.send:corrupt@2")
+    spec = dataclasses.replace(SPEC, stall_lease=None)
+
+    async def main(server: RandomKVServer) -> None:
+        receiver = KVReceiver(LAYOUT, "decode-corrupt", "cpu")
+        first = await receiver.pull(server.endpoint, server.lease_ids[1], [0, 1], timeout=20)
+        assert torch.equal(first, expected(prefill_caches, 1, [0, 1]))
+        with pytest.raises(KVPullFailed) as failed:
+            await receiver.pull(server.endpoint, server.lease_ids[0], [0, 1], timeout=20)
+        assert failed.value.reason is PullFailure.CORRUPT
+        third = await receiver.pull(server.endpoint, server.lease_ids[2], [0], timeout=20)
+        assert torch.equal(third, expected(prefill_caches, 2, [0]))
+        assert receiver.stats.failed == 1
+        await receiver.close()
+
+    with RandomKVServer(spec) as server:
+        asyncio.run(main(server))

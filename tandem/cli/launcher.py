@@ -17,7 +17,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TextIO
@@ -73,6 +73,7 @@ class _Child:
     name: str
     process: subprocess.Popen[str]
     args: list[str]
+    env: dict[str, str]
     ready: threading.Event = field(default_factory=threading.Event)
     ready_line: str = ""
     started_at: float = field(default_factory=time.monotonic)
@@ -129,8 +130,9 @@ class LocalCluster:
             self._supervisor.start()
         return self
 
-    def start_worker(self, role: str, name: str) -> None:
-        """Spawn one worker (also used by tests to add or replace workers)."""
+    def start_worker(self, role: str, name: str, env: Mapping[str, str] | None = None) -> None:
+        """Spawn one worker (also used by tests to add or replace workers); ``env``:
+        extra environment for this worker alone."""
         threads = self.spec.threads_per_worker or max(
             1, (os.cpu_count() or 1) // max(1, self.spec.num_prefill + self.spec.num_decode)
         )
@@ -143,7 +145,7 @@ class LocalCluster:
             *self.spec.worker_args,
             *(self.spec.prefill_args if role == "prefill" else self.spec.decode_args),
         )
-        self._spawn(name, args)
+        self._spawn(name, args, env)
 
     def wait_ready(self, names: Sequence[str], timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
@@ -261,12 +263,14 @@ class LocalCluster:
                 )
                 if self._stopping.wait(delay):
                     return
-                self._spawn(name, child.args)
+                self._spawn(name, child.args, child.env)
                 self.children[name].restarts = streak + 1
                 self.num_restarts += 1
 
-    def _spawn(self, name: str, args: list[str]) -> None:
-        env = {**os.environ, "PYTHONUNBUFFERED": "1", **dict(self.spec.env)}
+    def _spawn(
+        self, name: str, args: list[str], extra_env: Mapping[str, str] | None = None
+    ) -> None:
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", **dict(self.spec.env), **(extra_env or {})}
         process = subprocess.Popen(
             args,
             stdout=subprocess.PIPE,
@@ -275,7 +279,7 @@ class LocalCluster:
             env=env,
             start_new_session=True,  # Ctrl-C reaches the launcher only; it stops children in order
         )
-        child = _Child(name, process, args)
+        child = _Child(name, process, args, dict(extra_env or {}))
         self.children[name] = child
         sink = self._sink(name)
         threading.Thread(target=_pump, args=(child, sink), daemon=True, name=f"log-{name}").start()

@@ -8,6 +8,7 @@ torch); ``tests/test_cli.py`` checks that they match the engine's own enums.
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import re
 
@@ -88,6 +89,13 @@ def add_server_options(parser: argparse.ArgumentParser) -> None:
         "stops taking new ones (a worker leaves the registry first)",
     )
     g.add_argument("--log-level", default="INFO", choices=LOG_LEVELS, help="logging threshold")
+
+
+LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+
+
+def setup_logging(level: str) -> None:
+    logging.basicConfig(level=level, format=LOG_FORMAT)
 
 
 def require_redis(args: argparse.Namespace) -> None:

@@ -10,7 +10,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
-import logging
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -20,6 +19,7 @@ from tandem.cli.options import (
     float_or_off,
     positive_int,
     require_redis,
+    setup_logging,
 )
 
 if TYPE_CHECKING:
@@ -160,7 +160,7 @@ def run(args: argparse.Namespace) -> int:
     from tandem.router.stall import StallPolicy
 
     require_redis(args)
-    logging.basicConfig(level=args.log_level)
+    setup_logging(args.log_level)
     try:
         prefill_cost, decode_cost = (
             prefix_cost(role, args) for role in (WorkerRole.PREFILL, WorkerRole.DECODE)

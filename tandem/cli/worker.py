@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import logging
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -27,6 +26,7 @@ from tandem.cli.options import (
     device,
     positive_int,
     require_redis,
+    setup_logging,
 )
 
 
@@ -143,6 +143,13 @@ def _add_worker(subparsers: argparse._SubParsersAction, role: str) -> argparse.A
         help="seconds the registry keeps this worker after its last heartbeat",
     )
     worker.add_argument(
+        "--engine-stall-timeout",
+        type=float,
+        default=30.0,
+        help="an engine loop that has not advanced for this long makes the worker not ready "
+        "(health NOT_SERVING, out of the registry) until it moves again",
+    )
+    worker.add_argument(
         "--heartbeat-interval",
         type=float,
         default=1.0,
@@ -183,7 +190,7 @@ def run(args: argparse.Namespace) -> int:
 
     check_speculation(args)
     require_redis(args)
-    logging.basicConfig(level=args.log_level)
+    setup_logging(args.log_level)
     prefill = args.role == "prefill"
     role_options = (
         {"lease_ttl_s": args.lease_ttl} if prefill else {"kv_pull_timeout_s": args.kv_pull_timeout}
@@ -201,6 +208,7 @@ def run(args: argparse.Namespace) -> int:
         registry_ttl_s=args.registry_ttl,
         heartbeat_interval_s=args.heartbeat_interval,
         drain_timeout_s=args.drain_timeout,
+        engine_stall_timeout_s=args.engine_stall_timeout,
         **role_options,
     )
     if prefill:

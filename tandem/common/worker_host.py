@@ -16,7 +16,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from tandem.common.grpc_server import AddServicer, RunningServer, start_server
-from tandem.common.process import stop_on_signals
+from tandem.common.process import SHUTDOWN_GRACE_S, arm_exit_watchdog, stop_on_signals
 from tandem.common.registry import (
     DEFAULT_HEARTBEAT_INTERVAL_S,
     DEFAULT_TTL_S,
@@ -25,6 +25,7 @@ from tandem.common.registry import (
     WorkerRegistration,
     WorkerRole,
 )
+from tandem.common.registry.redis_io import REDIS_ERRORS, FailureLog
 
 log = logging.getLogger(__name__)
 
@@ -53,6 +54,8 @@ class WorkerOptions:
     heartbeat_interval_s: float = DEFAULT_HEARTBEAT_INTERVAL_S
     drain_timeout_s: float = DEFAULT_DRAIN_TIMEOUT_S
     """On SIGTERM: how long in-flight calls may still run after deregistering."""
+    engine_stall_timeout_s: float = 30.0
+    """An engine loop that has not advanced for this long makes the worker not ready."""
 
     @property
     def public_host(self) -> str:
@@ -66,9 +69,13 @@ async def host_worker(
     make_info: Callable[[str], WorkerInfo],
     load: Callable[[], WorkerLoad],
     stop: asyncio.Event | None = None,
+    engine_stalled_s: Callable[[], float] | None = None,
 ) -> None:
     """Serve until ``stop`` is set or SIGINT/SIGTERM arrives. ``make_info(address)``
-    builds the registry entry once the bound address is known."""
+    builds the registry entry once the bound address is known. ``engine_stalled_s``:
+    how long the worker's engine loop has not advanced (``AsyncEngine.stalled_for_s``);
+    past ``options.engine_stall_timeout_s`` the worker is not ready (see ``_membership``)."""
+    whole_process = stop is None  # run by a command, not embedded in another program
     stop = stop or stop_on_signals()
     server = await start_server(options.host, options.port, add_servicers, service_names)
     address = f"{options.public_host}:{server.port}"
@@ -77,16 +84,51 @@ async def host_worker(
     try:
         await registration.register(info, load())
         heartbeats = asyncio.create_task(
-            registration.run_heartbeats(load, options.heartbeat_interval_s)
+            _membership(options, registration, server, info, load, engine_stalled_s)
         )
         log.info(
             "%s worker %s serving %s at %s", info.role.value, info.worker_id, info.model, address
         )
         print(f"READY {info.role.value} {info.worker_id} {address}", flush=True)
         await stop.wait()
+        if whole_process:
+            arm_exit_watchdog(options.drain_timeout_s + SHUTDOWN_GRACE_S)
         heartbeats.cancel()
     finally:
         await _leave(registration, server, options.drain_timeout_s)
+
+
+async def _membership(
+    options: WorkerOptions,
+    registration: WorkerRegistration,
+    server: RunningServer,
+    info: WorkerInfo,
+    load: Callable[[], WorkerLoad],
+    engine_stalled_s: Callable[[], float] | None,
+) -> None:
+    """Heartbeat every ``heartbeat_interval_s`` while the engine advances. While it is
+    stuck (no turn of its loop for ``engine_stall_timeout_s``) the worker is not ready:
+    its health says ``NOT_SERVING`` and it leaves the registry, so routers send it
+    nothing (heartbeats run on this event loop, not the engine's thread, and would
+    otherwise keep it listed). It comes back once the engine moves again."""
+    failures = FailureLog("registry heartbeat")
+    while True:
+        stuck = engine_stalled_s is not None and engine_stalled_s() > options.engine_stall_timeout_s
+        try:
+            if stuck and registration.info is not None:
+                log.error("engine loop stuck for %.1f s: leaving the registry", engine_stalled_s())
+                await server.set_serving(False)
+                await registration.deregister()
+            elif not stuck and registration.info is None:
+                await registration.register(info, load())
+                await server.set_serving(True)
+                log.info("engine loop moving again: back in the registry")
+            elif registration.info is not None:
+                await registration.heartbeat(load())
+            failures.succeeded()
+        except REDIS_ERRORS as err:
+            failures.failed(err)
+        await asyncio.sleep(options.heartbeat_interval_s)
 
 
 async def _leave(registration: WorkerRegistration, server: RunningServer, drain_s: float) -> None:
