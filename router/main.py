@@ -13,6 +13,7 @@ from tandem.common.process import SHUTDOWN_GRACE_S, arm_exit_watchdog, stop_on_s
 from tandem.common.registry import RegistryWatcher, WorkerRecord, WorkerRole
 from tandem.common.tokenizer import Tokenizer
 from tandem.protos import generation_pb2, generation_pb2_grpc
+from tandem.router.auth import ApiKeyInterceptor, ApiKeys
 from tandem.router.clients import WorkerClients
 from tandem.router.kv_index.consumer import KVEventConsumer, grpc_snapshot_fetcher
 from tandem.router.kv_index.indexer import KVIndexer
@@ -50,6 +51,8 @@ class RouterOptions:
     """Worker counts below which the router reports ``NOT_SERVING``."""
     stall: StallPolicy = StallPolicy()
     """When a decode stream that sends nothing is moved to another worker."""
+    api_keys: ApiKeys | None = None
+    """Keys the public service requires (``None``: open)."""
     drain_timeout_s: float = 25.0
     """On SIGTERM: how long client streams in flight may still run (new ones are refused
     and readiness turns ``NOT_SERVING`` at once)."""
@@ -136,6 +139,7 @@ async def run(
         [lambda s: generation_pb2_grpc.add_GenerationServicer_to_server(service, s)],
         [generation_pb2.DESCRIPTOR.services_by_name["Generation"].full_name],
         ready=False,
+        interceptors=() if options.api_keys is None else (ApiKeyInterceptor(options.api_keys),),
     )
     await readiness.attach(server.set_serving)
     metrics_server = None

@@ -9,6 +9,7 @@ defaults. A gRPC failure prints ``error: <CODE>: <details>`` and exits with stat
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from typing import TYPE_CHECKING, TextIO
 
@@ -55,6 +56,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--timeout", type=float, metavar="S", help="deadline for the whole stream (default: none)"
     )
+    p.add_argument(
+        "--api-key",
+        default=os.environ.get("TANDEM_API_KEY"),
+        help="key for a router that requires one (default: $TANDEM_API_KEY)",
+    )
     p.set_defaults(run=run)
 
 
@@ -65,7 +71,12 @@ def run(args: argparse.Namespace) -> int:
 
     prompt = Chat((("user", args.prompt),)) if args.chat else args.prompt
     responses = stream_generate(
-        args.addr, prompt, _sampling(args), timeout_s=args.timeout, model=args.model
+        args.addr,
+        prompt,
+        _sampling(args),
+        timeout_s=args.timeout,
+        model=args.model,
+        api_key=args.api_key,
     )
     printer = _TextPrinter(sys.stdout)
     clock = StreamClock()

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
+import os
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -61,6 +62,21 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         default=10.0,
         help="a decode stream silent for max(this, 20 x its mean time per token), or 3x "
         "this before its first token, moves to another decode worker",
+    )
+    keys = router.add_argument_group(
+        "API keys",
+        "With any key given, calls to tandem.v1.Generation need metadata "
+        "'authorization: Bearer <key>' (health and reflection stay open). Prefer a file or "
+        "the environment: a flag's value shows in the process list.",
+    )
+    keys.add_argument("--api-key", action="append", default=[], help="a key (repeatable)")
+    keys.add_argument(
+        "--api-key-file",
+        action="append",
+        default=[],
+        type=Path,
+        help="a file of keys, one a line, # comments (repeatable; also $TANDEM_API_KEYS, "
+        "comma-separated)",
     )
     ready = router.add_argument_group(
         "readiness",
@@ -154,6 +170,8 @@ def prefix_cost(role: WorkerRole, args: argparse.Namespace) -> PrefixCost:
 
 def run(args: argparse.Namespace) -> int:
     from tandem.common.registry import WorkerRole
+    from tandem.router.auth import ENV_VAR as KEYS_ENV
+    from tandem.router.auth import ApiKeys
     from tandem.router.main import RouterOptions, run
     from tandem.router.readiness import ReadinessRule
     from tandem.router.routing.policy import PolicyName
@@ -167,6 +185,7 @@ def run(args: argparse.Namespace) -> int:
         )
         readiness = ReadinessRule(args.min_decode_workers, args.min_prefill_workers)
         stall = StallPolicy(floor_s=args.stall_timeout)
+        api_keys = ApiKeys.gather(args.api_key, args.api_key_file, os.environ.get(KEYS_ENV))
     except ValueError as err:
         raise SystemExit(f"error: {err}") from err
     options = RouterOptions(
@@ -185,6 +204,7 @@ def run(args: argparse.Namespace) -> int:
         metrics_port=args.metrics_port,
         readiness=readiness,
         stall=stall,
+        api_keys=api_keys,
         drain_timeout_s=args.drain_timeout,
     )
     asyncio.run(run(options))

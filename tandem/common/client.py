@@ -68,16 +68,23 @@ def stream_generate(
     model: str = "",
     request_id: str = "",
     priority: int = 0,
+    api_key: str | None = None,
 ) -> Iterator[generation_pb2.GenerateResponse]:
     """Stream one completion from the router at ``addr`` (``host:port``), blocking.
 
     The channel lives as long as the iterator: closing the iterator early (or dropping
     it) cancels the request. ``timeout_s`` bounds the whole stream (gRPC deadline).
+    ``api_key``: sent as ``authorization: Bearer <key>`` when the router requires keys.
     """
     request = build_request(prompt, sampling, model=model, request_id=request_id, priority=priority)
     with grpc.insecure_channel(addr) as channel:
         stub = generation_pb2_grpc.GenerationStub(channel)
-        yield from stub.Generate(request, timeout=timeout_s)
+        yield from stub.Generate(request, timeout=timeout_s, metadata=auth_metadata(api_key))
+
+
+def auth_metadata(api_key: str | None) -> tuple[tuple[str, str], ...]:
+    """The call metadata that presents ``api_key`` (none without a key)."""
+    return () if api_key is None else (("authorization", f"Bearer {api_key}"),)
 
 
 async def astream_generate(
@@ -103,21 +110,24 @@ class AsyncGenerationClient:
     Use it as ``async with`` or call ``aclose()``; closing cancels requests in flight.
     """
 
-    def __init__(self, addr: str):
+    def __init__(self, addr: str, api_key: str | None = None):
         self._channel = grpc.aio.insecure_channel(addr)
         self._stub = generation_pb2_grpc.GenerationStub(self._channel)
+        self._metadata = auth_metadata(api_key)
 
     def generate(
         self, request: generation_pb2.GenerateRequest, *, timeout_s: float | None = None
     ) -> grpc.aio.UnaryStreamCall:
         """The call for one request: ``async for`` yields its ``GenerateResponse``s as they
         arrive (no extra task per request), ``cancel()`` stops it."""
-        return self._stub.Generate(request, timeout=timeout_s)
+        return self._stub.Generate(request, timeout=timeout_s, metadata=self._metadata)
 
     async def list_models(
         self, *, timeout_s: float | None = None
     ) -> generation_pb2.ListModelsResponse:
-        return await self._stub.ListModels(generation_pb2.ListModelsRequest(), timeout=timeout_s)
+        return await self._stub.ListModels(
+            generation_pb2.ListModelsRequest(), timeout=timeout_s, metadata=self._metadata
+        )
 
     async def aclose(self) -> None:
         await self._channel.close()

@@ -70,12 +70,13 @@ async def start_server(
     add_servicers: Sequence[AddServicer],
     service_names: Sequence[str],
     ready: bool = True,
+    interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
 ) -> RunningServer:
     """Bind ``host:port`` (port 0 picks a free one), register the services, health and
     reflection, start serving. ``service_names`` are full names (``tandem.v1.Generation``).
     ``ready=False``: readiness starts ``NOT_SERVING`` until ``set_serving(True)``;
     liveness is ``SERVING`` either way."""
-    server = grpc.aio.server(options=SERVER_OPTIONS)
+    server = grpc.aio.server(options=SERVER_OPTIONS, interceptors=tuple(interceptors))
     for add in add_servicers:
         add(server)
     health = health_aio.HealthServicer()
