@@ -7,7 +7,7 @@ import contextlib
 import logging
 from dataclasses import dataclass
 
-from tandem.common.grpc_server import start_server
+from tandem.common.grpc_server import TLSFiles, start_server
 from tandem.common.metrics_text import serve_metrics
 from tandem.common.process import SHUTDOWN_GRACE_S, arm_exit_watchdog, stop_on_signals
 from tandem.common.registry import RegistryWatcher, WorkerRecord, WorkerRole
@@ -53,6 +53,8 @@ class RouterOptions:
     """When a decode stream that sends nothing is moved to another worker."""
     api_keys: ApiKeys | None = None
     """Keys the public service requires (``None``: open)."""
+    tls: TLSFiles | None = None
+    """TLS on the public port (``None``: plaintext)."""
     drain_timeout_s: float = 25.0
     """On SIGTERM: how long client streams in flight may still run (new ones are refused
     and readiness turns ``NOT_SERVING`` at once)."""
@@ -140,6 +142,7 @@ async def run(
         [generation_pb2.DESCRIPTOR.services_by_name["Generation"].full_name],
         ready=False,
         interceptors=() if options.api_keys is None else (ApiKeyInterceptor(options.api_keys),),
+        tls=options.tls,
     )
     await readiness.attach(server.set_serving)
     metrics_server = None

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from pathlib import Path
 from typing import TYPE_CHECKING, TextIO
 
 from tandem.cli.options import add_command
@@ -61,6 +62,12 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         default=os.environ.get("TANDEM_API_KEY"),
         help="key for a router that requires one (default: $TANDEM_API_KEY)",
     )
+    p.add_argument(
+        "--ssl-ca-certs",
+        type=Path,
+        metavar="PEM",
+        help="CA certificates of a router serving TLS (default: plaintext)",
+    )
     p.set_defaults(run=run)
 
 
@@ -77,6 +84,7 @@ def run(args: argparse.Namespace) -> int:
         timeout_s=args.timeout,
         model=args.model,
         api_key=args.api_key,
+        root_certificates=None if args.ssl_ca_certs is None else args.ssl_ca_certs.read_bytes(),
     )
     printer = _TextPrinter(sys.stdout)
     clock = StreamClock()

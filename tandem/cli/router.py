@@ -24,6 +24,7 @@ from tandem.cli.options import (
 )
 
 if TYPE_CHECKING:
+    from tandem.common.grpc_server import TLSFiles
     from tandem.common.registry import WorkerRole
     from tandem.router.routing.prefix_aware import PrefixCost
 
@@ -78,6 +79,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         help="a file of keys, one a line, # comments (repeatable; also $TANDEM_API_KEYS, "
         "comma-separated)",
     )
+    tls = router.add_argument_group("TLS on the public port (both files, or neither)")
+    tls.add_argument("--ssl-certfile", type=Path, help="PEM certificate chain (default: off)")
+    tls.add_argument("--ssl-keyfile", type=Path, help="PEM private key (default: off)")
     ready = router.add_argument_group(
         "readiness",
         "gRPC health (service '') is NOT_SERVING while fewer workers than these are "
@@ -168,6 +172,14 @@ def prefix_cost(role: WorkerRole, args: argparse.Namespace) -> PrefixCost:
     )
 
 
+def _tls(args: argparse.Namespace) -> TLSFiles | None:
+    from tandem.common.grpc_server import TLSFiles
+
+    if (args.ssl_certfile is None) != (args.ssl_keyfile is None):
+        args.parser.error("--ssl-certfile and --ssl-keyfile go together")
+    return None if args.ssl_certfile is None else TLSFiles(args.ssl_certfile, args.ssl_keyfile)
+
+
 def run(args: argparse.Namespace) -> int:
     from tandem.common.registry import WorkerRole
     from tandem.router.auth import ENV_VAR as KEYS_ENV
@@ -186,6 +198,7 @@ def run(args: argparse.Namespace) -> int:
         readiness = ReadinessRule(args.min_decode_workers, args.min_prefill_workers)
         stall = StallPolicy(floor_s=args.stall_timeout)
         api_keys = ApiKeys.gather(args.api_key, args.api_key_file, os.environ.get(KEYS_ENV))
+        tls = _tls(args)
     except ValueError as err:
         raise SystemExit(f"error: {err}") from err
     options = RouterOptions(
@@ -205,6 +218,7 @@ def run(args: argparse.Namespace) -> int:
         readiness=readiness,
         stall=stall,
         api_keys=api_keys,
+        tls=tls,
         drain_timeout_s=args.drain_timeout,
     )
     asyncio.run(run(options))

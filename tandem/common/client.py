@@ -69,15 +69,22 @@ def stream_generate(
     request_id: str = "",
     priority: int = 0,
     api_key: str | None = None,
+    root_certificates: bytes | None = None,
 ) -> Iterator[generation_pb2.GenerateResponse]:
     """Stream one completion from the router at ``addr`` (``host:port``), blocking.
 
     The channel lives as long as the iterator: closing the iterator early (or dropping
     it) cancels the request. ``timeout_s`` bounds the whole stream (gRPC deadline).
-    ``api_key``: sent as ``authorization: Bearer <key>`` when the router requires keys.
+    ``api_key``: sent as ``authorization: Bearer <key>`` when the router requires keys;
+    ``root_certificates``: PEM roots for a router serving TLS.
     """
     request = build_request(prompt, sampling, model=model, request_id=request_id, priority=priority)
-    with grpc.insecure_channel(addr) as channel:
+    channel = (
+        grpc.insecure_channel(addr)
+        if root_certificates is None
+        else grpc.secure_channel(addr, grpc.ssl_channel_credentials(root_certificates))
+    )
+    with channel:
         stub = generation_pb2_grpc.GenerationStub(channel)
         yield from stub.Generate(request, timeout=timeout_s, metadata=auth_metadata(api_key))
 
@@ -110,8 +117,15 @@ class AsyncGenerationClient:
     Use it as ``async with`` or call ``aclose()``; closing cancels requests in flight.
     """
 
-    def __init__(self, addr: str, api_key: str | None = None):
-        self._channel = grpc.aio.insecure_channel(addr)
+    def __init__(
+        self, addr: str, api_key: str | None = None, root_certificates: bytes | None = None
+    ):
+        """``root_certificates``: PEM roots for a router serving TLS (``None``: plaintext)."""
+        self._channel = (
+            grpc.aio.insecure_channel(addr)
+            if root_certificates is None
+            else grpc.aio.secure_channel(addr, grpc.ssl_channel_credentials(root_certificates))
+        )
         self._stub = generation_pb2_grpc.GenerationStub(self._channel)
         self._metadata = auth_metadata(api_key)
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -30,6 +31,22 @@ SERVER_OPTIONS = (
 )
 
 AddServicer = Callable[[grpc.aio.Server], None]
+
+
+@dataclass(frozen=True)
+class TLSFiles:
+    """A server's certificate chain and private key (PEM files), for TLS on its port."""
+
+    certfile: Path
+    keyfile: Path
+
+    def server_credentials(self) -> grpc.ServerCredentials:
+        try:
+            pair = (self.keyfile.read_bytes(), self.certfile.read_bytes())
+        except OSError as err:
+            raise ValueError(f"cannot read TLS file {err.filename}: {err.strerror}") from None
+        return grpc.ssl_server_credentials([pair])
+
 
 LIVENESS_SERVICE = "tandem.liveness"
 """The health service name a liveness probe asks for."""
@@ -71,6 +88,7 @@ async def start_server(
     service_names: Sequence[str],
     ready: bool = True,
     interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
+    tls: TLSFiles | None = None,
 ) -> RunningServer:
     """Bind ``host:port`` (port 0 picks a free one), register the services, health and
     reflection, start serving. ``service_names`` are full names (``tandem.v1.Generation``).
@@ -83,7 +101,10 @@ async def start_server(
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
     names = [*service_names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name]
     reflection.enable_server_reflection([*names, reflection.SERVICE_NAME], server)
-    bound = server.add_insecure_port(f"{host}:{port}")
+    if tls is None:
+        bound = server.add_insecure_port(f"{host}:{port}")
+    else:
+        bound = server.add_secure_port(f"{host}:{port}", tls.server_credentials())
     if bound == 0:
         raise OSError(f"cannot bind {host}:{port}")
     await server.start()
