@@ -17,9 +17,12 @@ from pathlib import Path
 
 import grpc
 
+from tandem.router.rate_limit import RateLimiter
+
 METADATA_KEY = "authorization"
 SCHEME = "Bearer "
 PROTECTED_PREFIX = "/tandem.v1.Generation/"
+GENERATE = PROTECTED_PREFIX + "Generate"
 ENV_VAR = "TANDEM_API_KEYS"
 
 
@@ -57,20 +60,29 @@ class ApiKeys:
 
     def refusal(self, metadata: Sequence[tuple[str, str | bytes]] | None) -> str | None:
         """Why a call with this metadata is refused; ``None``: it may go on."""
-        values = [v for k, v in metadata or () if k == METADATA_KEY]
-        if not values:
+        key = presented_key(metadata)
+        if key is None:
             return f"missing API key: send metadata '{METADATA_KEY}: {SCHEME}<key>'"
-        value = values[0] if isinstance(values[0], str) else values[0].decode(errors="replace")
-        if not value.startswith(SCHEME) or not self.allows(value[len(SCHEME) :].strip()):
-            return "invalid API key"
+        return None if self.allows(key) else "invalid API key"
+
+
+def presented_key(metadata: Sequence[tuple[str, str | bytes]] | None) -> str | None:
+    """The bearer key a call's metadata presents, or ``None``."""
+    values = [v for k, v in metadata or () if k == METADATA_KEY]
+    if not values:
         return None
+    value = values[0] if isinstance(values[0], str) else values[0].decode(errors="replace")
+    return value[len(SCHEME) :].strip() if value.startswith(SCHEME) else ""
 
 
 class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
-    """Refuses calls to the public service without a valid key (``UNAUTHENTICATED``)."""
+    """Refuses calls to the public service without a valid key (``UNAUTHENTICATED``)
+    and, with a ``limiter``, ``Generate`` calls over their key's rate
+    (``RESOURCE_EXHAUSTED``, trailing metadata ``retry-after-ms``)."""
 
-    def __init__(self, keys: ApiKeys) -> None:
+    def __init__(self, keys: ApiKeys, limiter: RateLimiter | None = None) -> None:
         self.keys = keys
+        self.limiter = limiter
 
     async def intercept_service(
         self,
@@ -81,14 +93,34 @@ class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
         if handler is None or not details.method.startswith(PROTECTED_PREFIX):
             return handler
         reason = self.keys.refusal(details.invocation_metadata)
-        return handler if reason is None else _refusing(handler, reason)
+        if reason is not None:
+            return _refusing(handler, grpc.StatusCode.UNAUTHENTICATED, reason)
+        if self.limiter is None or details.method != GENERATE:
+            return handler
+        wait_ms = await self.limiter.take(presented_key(details.invocation_metadata) or "")
+        if wait_ms is None:
+            return handler
+        limit = self.limiter.limit
+        reason = (
+            f"rate limit of {limit.rate:g} requests/s (burst {limit.burst}) for this API key "
+            f"reached; retry in {wait_ms} ms"
+        )
+        trailer = (("retry-after-ms", str(wait_ms)),)
+        return _refusing(handler, grpc.StatusCode.RESOURCE_EXHAUSTED, reason, trailer)
 
 
-def _refusing(handler: grpc.RpcMethodHandler, reason: str) -> grpc.RpcMethodHandler:
-    """A handler of the same kind that ends the call ``UNAUTHENTICATED``."""
+def _refusing(
+    handler: grpc.RpcMethodHandler,
+    code: grpc.StatusCode,
+    reason: str,
+    trailer: tuple[tuple[str, str], ...] = (),
+) -> grpc.RpcMethodHandler:
+    """A handler of the same kind that ends the call with ``code``."""
 
     async def refuse(request: object, context: grpc.aio.ServicerContext) -> None:
-        await context.abort(grpc.StatusCode.UNAUTHENTICATED, reason)
+        if trailer:
+            context.set_trailing_metadata(trailer)
+        await context.abort(code, reason)
 
     make = (
         grpc.unary_stream_rpc_method_handler

@@ -19,6 +19,7 @@ from tandem.router.kv_index.consumer import KVEventConsumer, grpc_snapshot_fetch
 from tandem.router.kv_index.indexer import KVIndexer
 from tandem.router.metrics import RouterMetrics, render_metrics
 from tandem.router.orchestrator import Orchestrator, OrchestratorConfig
+from tandem.router.rate_limit import RateLimit, RateLimiter
 from tandem.router.readiness import ReadinessRule, ReadinessTracker
 from tandem.router.routing.inflight import InflightLoad
 from tandem.router.routing.policy import PolicyName, make_policy
@@ -55,6 +56,8 @@ class RouterOptions:
     """Keys the public service requires (``None``: open)."""
     tls: TLSFiles | None = None
     """TLS on the public port (``None``: plaintext)."""
+    rate_limit: RateLimit | None = None
+    """Per-API-key request rate, shared through Redis (needs ``api_keys``)."""
     drain_timeout_s: float = 25.0
     """On SIGTERM: how long client streams in flight may still run (new ones are refused
     and readiness turns ``NOT_SERVING`` at once)."""
@@ -129,6 +132,11 @@ async def run(
         inflight=inflight,
         metrics=metrics,
     )
+    limiter = None
+    if options.rate_limit is not None:
+        if options.api_keys is None:
+            raise ValueError("per-key rate limits need API keys")
+        limiter = RateLimiter(options.redis_url, options.rate_limit)
     validator = RequestValidator.from_dir(
         options.model_dir, options.model_name, options.max_model_len
     )
@@ -141,7 +149,9 @@ async def run(
         [lambda s: generation_pb2_grpc.add_GenerationServicer_to_server(service, s)],
         [generation_pb2.DESCRIPTOR.services_by_name["Generation"].full_name],
         ready=False,
-        interceptors=() if options.api_keys is None else (ApiKeyInterceptor(options.api_keys),),
+        interceptors=()
+        if options.api_keys is None
+        else (ApiKeyInterceptor(options.api_keys, limiter),),
         tls=options.tls,
     )
     await readiness.attach(server.set_serving)
@@ -170,6 +180,8 @@ async def run(
             with contextlib.suppress(Exception):
                 await metrics_server.wait_closed()
         await watcher.stop()
+        if limiter is not None:
+            await limiter.aclose()
         if consumer is not None:
             await consumer.stop()
         await clients.close()

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
+import math
 import os
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -26,6 +27,7 @@ from tandem.cli.options import (
 if TYPE_CHECKING:
     from tandem.common.grpc_server import TLSFiles
     from tandem.common.registry import WorkerRole
+    from tandem.router.rate_limit import RateLimit
     from tandem.router.routing.prefix_aware import PrefixCost
 
 POLICIES = ("round_robin", "least_loaded", "prefix_aware")
@@ -78,6 +80,17 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         type=Path,
         help="a file of keys, one a line, # comments (repeatable; also $TANDEM_API_KEYS, "
         "comma-separated)",
+    )
+    keys.add_argument(
+        "--rate-limit",
+        type=float,
+        help="Generate calls per second per API key, shared by every router on the same "
+        "Redis; over it: RESOURCE_EXHAUSTED with a retry hint (default: none)",
+    )
+    keys.add_argument(
+        "--rate-limit-burst",
+        type=positive_int,
+        help="calls a key may make at once (default: the rate, at least 1)",
     )
     tls = router.add_argument_group("TLS on the public port (both files, or neither)")
     tls.add_argument("--ssl-certfile", type=Path, help="PEM certificate chain (default: off)")
@@ -172,6 +185,17 @@ def prefix_cost(role: WorkerRole, args: argparse.Namespace) -> PrefixCost:
     )
 
 
+def _rate_limit(args: argparse.Namespace) -> RateLimit | None:
+    from tandem.router.rate_limit import RateLimit
+
+    if args.rate_limit is None:
+        if args.rate_limit_burst is not None:
+            args.parser.error("--rate-limit-burst needs --rate-limit")
+        return None
+    burst = args.rate_limit_burst or max(1, math.ceil(args.rate_limit))
+    return RateLimit(args.rate_limit, burst)
+
+
 def _tls(args: argparse.Namespace) -> TLSFiles | None:
     from tandem.common.grpc_server import TLSFiles
 
@@ -199,6 +223,9 @@ def run(args: argparse.Namespace) -> int:
         stall = StallPolicy(floor_s=args.stall_timeout)
         api_keys = ApiKeys.gather(args.api_key, args.api_key_file, os.environ.get(KEYS_ENV))
         tls = _tls(args)
+        rate_limit = _rate_limit(args)
+        if rate_limit is not None and api_keys is None:
+            args.parser.error("--rate-limit is per API key: give keys too (--api-key-file ...)")
     except ValueError as err:
         raise SystemExit(f"error: {err}") from err
     options = RouterOptions(
@@ -219,6 +246,7 @@ def run(args: argparse.Namespace) -> int:
         stall=stall,
         api_keys=api_keys,
         tls=tls,
+        rate_limit=rate_limit,
         drain_timeout_s=args.drain_timeout,
     )
     asyncio.run(run(options))
