@@ -100,3 +100,15 @@ def test_a_component_that_dies_later_is_restarted(model_dir, redis_url, tmp_path
                 assert time.monotonic() < deadline, "the restarted worker got no traffic"
                 time.sleep(0.2)
         assert len(result.token_ids) == 4
+
+
+def test_secrets_stay_off_command_lines_and_out_of_messages(model_dir) -> None:
+    from tandem.cli.launcher import ClusterSpec
+    from tandem.common.redis_server import redacted_url
+
+    url = "redis://:s3cret@10.0.0.1:6379/0"
+    cluster = LocalCluster(ClusterSpec(model_dir=str(model_dir), redis_url=url))
+    assert not any("s3cret" in arg for arg in cluster._component_args("decode-worker"))
+    assert redacted_url(url) == "redis://:***@10.0.0.1:6379/0"
+    assert redacted_url("rediss://app:pw@redis.internal/2") == "rediss://app:***@redis.internal/2"
+    assert redacted_url("redis://127.0.0.1:6390/0") == "redis://127.0.0.1:6390/0"

@@ -235,8 +235,6 @@ class LocalCluster:
             command,
             "--model",
             self.spec.model_dir,
-            "--redis-url",
-            self.redis_url,
             "--host",
             self.spec.host,
             "--log-level",
@@ -270,7 +268,14 @@ class LocalCluster:
     def _spawn(
         self, name: str, args: list[str], extra_env: Mapping[str, str] | None = None
     ) -> None:
-        env = {**os.environ, "PYTHONUNBUFFERED": "1", **dict(self.spec.env), **(extra_env or {})}
+        env = {
+            **os.environ,
+            "PYTHONUNBUFFERED": "1",
+            # in the environment, not on the command line, where any user's `ps` sees it
+            "TANDEM_REDIS_URL": self.redis_url,
+            **dict(self.spec.env),
+            **(extra_env or {}),
+        }
         process = subprocess.Popen(
             args,
             stdout=subprocess.PIPE,

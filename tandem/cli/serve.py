@@ -92,6 +92,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 def _run(args: argparse.Namespace) -> int:
     from tandem.cli.launcher import ClusterSpec, LocalCluster
+    from tandem.common.redis_server import redacted_url
 
     if args.model and args.speculative_method == "draft" and not args.draft_model:
         args.parser.error("--speculative-method draft needs --draft-model DIR with --model")
@@ -122,7 +123,7 @@ def _run(args: argparse.Namespace) -> int:
     cluster = LocalCluster(spec)
     print(f"starting {spec.num_prefill} prefill + {spec.num_decode} decode workers for {model}")
     with cluster:
-        redis = cluster.redis_url + (" (embedded)" if cluster.redis else "")
+        redis = redacted_url(cluster.redis_url) + (" (embedded)" if cluster.redis else "")
         print(
             f"tandem serving {cluster.model_name!r} at {cluster.router_address}; registry {redis}"
         )

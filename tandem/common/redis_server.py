@@ -21,6 +21,7 @@ import socket
 import subprocess
 import tempfile
 import time
+import urllib.parse
 import weakref
 from dataclasses import dataclass
 from pathlib import Path
@@ -215,6 +216,16 @@ class EmbeddedRedis:
             f"{self.binary.source.value} ({self.binary.path}) on port {self._port} {what}; "
             f"its log ends:\n{log}"
         )
+
+
+def redacted_url(url: str) -> str:
+    """``url`` with its password (if any) replaced by ``***``: for logs and messages."""
+    parts = urllib.parse.urlsplit(url)
+    if parts.password is None:
+        return url
+    user = parts.username or ""
+    netloc = f"{user}:***@{parts.hostname}" + (f":{parts.port}" if parts.port else "")
+    return urllib.parse.urlunsplit(parts._replace(netloc=netloc))
 
 
 def resolve_redis_url(url: str | None) -> tuple[str, EmbeddedRedis | None]:
