@@ -27,7 +27,7 @@ async def run(options: WorkerOptions, stop: asyncio.Event | None = None) -> None
         detokenize=False,
     )
     layout = KVLayout(model=options.model_name, **dataclasses.asdict(engine.runner.layout))
-    receiver = KVReceiver(layout, options.worker_id, engine.runtime.device)
+    receiver = KVReceiver(layout, options.worker_id, engine.runtime.device, options.tls)
     async_engine = AsyncEngine(engine)
     service = DecodeService(
         async_engine, receiver, options.worker_id, options.kv_pull_timeout_s, kv_events

@@ -21,6 +21,7 @@ from types import MappingProxyType
 import grpc
 import torch
 
+from tandem.common.tls import InternalTLS, internal_channel
 from tandem.kvtransfer.blocks import checksum
 from tandem.kvtransfer.deadline import Deadline
 from tandem.kvtransfer.errors import (
@@ -109,9 +110,10 @@ class _Link:
 class _Peer:
     """A prefill endpoint: its gRPC channel, and the pair group when connected."""
 
-    def __init__(self, endpoint: str) -> None:
+    def __init__(self, endpoint: str, tls: InternalTLS | None) -> None:
         self.endpoint = endpoint
-        self.channel = grpc.aio.insecure_channel(endpoint)
+        self.tls = tls
+        self.channel = internal_channel(endpoint, tls)
         self.stub = kv_transfer_pb2_grpc.KVTransferStub(self.channel)
         self.lock = asyncio.Lock()
         self.link: _Link | None = None
@@ -123,7 +125,7 @@ class _Peer:
         to minutes), failing calls at once even when a restarted peer is listening.
         """
         old = self.channel
-        self.channel = grpc.aio.insecure_channel(self.endpoint)
+        self.channel = internal_channel(self.endpoint, self.tls)
         self.stub = kv_transfer_pb2_grpc.KVTransferStub(self.channel)
         return old
 
@@ -132,10 +134,18 @@ class KVReceiver:
     """Pulls KV blocks for one decode worker (``worker_id``) onto ``device``.
 
     Use from one event loop (the gRPC channels belong to it); ``close`` when done.
+    ``tls``: mutual TLS on the control channel to prefill workers (``None``: plaintext).
     """
 
-    def __init__(self, layout: KVLayout, worker_id: str, device: torch.device | str) -> None:
+    def __init__(
+        self,
+        layout: KVLayout,
+        worker_id: str,
+        device: torch.device | str,
+        tls: InternalTLS | None = None,
+    ) -> None:
         self.layout = layout
+        self.tls = tls
         self.worker_id = worker_id
         self.device = _indexed(torch.device(device))
         self._peers: dict[str, _Peer] = {}
@@ -211,7 +221,7 @@ class KVReceiver:
 
     def _peer(self, endpoint: str) -> _Peer:
         if endpoint not in self._peers:
-            self._peers[endpoint] = _Peer(endpoint)
+            self._peers[endpoint] = _Peer(endpoint, self.tls)
         return self._peers[endpoint]
 
     async def _pull_serialized(self, peer: _Peer, pull: _PullRequest) -> torch.Tensor:

@@ -1,5 +1,6 @@
 """gRPC stubs for the workers the router talks to: one channel per worker address,
-opened on first use and closed when the worker leaves the registry.
+opened on first use (mutual TLS when the router has an internal certificate) and closed
+when the worker leaves the registry.
 
 A worker leaves the registry *first* when it drains (SIGTERM): it deregisters, then
 finishes its streams. So a departed worker's channel takes no new calls but is closed
@@ -13,6 +14,7 @@ import grpc
 
 from tandem.common.grpc_server import MAX_MESSAGE_BYTES
 from tandem.common.registry import WorkerRecord
+from tandem.common.tls import InternalTLS, internal_channel
 from tandem.protos import worker_pb2_grpc
 
 DEPARTED_GRACE_S = 120.0
@@ -25,7 +27,8 @@ CHANNEL_OPTIONS = (
 
 
 class WorkerClients:
-    def __init__(self) -> None:
+    def __init__(self, tls: InternalTLS | None = None) -> None:
+        self._tls = tls
         self._channels: dict[str, grpc.aio.Channel] = {}
 
     def prefill(self, worker: WorkerRecord) -> worker_pb2_grpc.PrefillWorkerStub:
@@ -49,6 +52,6 @@ class WorkerClients:
     def _channel(self, address: str) -> grpc.aio.Channel:
         channel = self._channels.get(address)
         if channel is None:
-            channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+            channel = internal_channel(address, self._tls, CHANNEL_OPTIONS)
             self._channels[address] = channel
         return channel

@@ -7,10 +7,11 @@ import contextlib
 import logging
 from dataclasses import dataclass
 
-from tandem.common.grpc_server import TLSFiles, start_server
+from tandem.common.grpc_server import start_server
 from tandem.common.metrics_text import serve_metrics
 from tandem.common.process import SHUTDOWN_GRACE_S, arm_exit_watchdog, stop_on_signals
 from tandem.common.registry import RegistryWatcher, WorkerRecord, WorkerRole
+from tandem.common.tls import InternalTLS, TLSFiles
 from tandem.common.tokenizer import Tokenizer
 from tandem.protos import generation_pb2, generation_pb2_grpc
 from tandem.router.auth import ApiKeyInterceptor, ApiKeys
@@ -56,6 +57,10 @@ class RouterOptions:
     """Keys the public service requires (``None``: open)."""
     tls: TLSFiles | None = None
     """TLS on the public port (``None``: plaintext)."""
+    internal_tls: InternalTLS | None = None
+    """Mutual TLS to the workers (``None``: plaintext)."""
+    health_port: int | None = None
+    """A plaintext port answering gRPC health alone (for probes), when set."""
     rate_limit: RateLimit | None = None
     """Per-API-key request rate, shared through Redis (needs ``api_keys``)."""
     drain_timeout_s: float = 25.0
@@ -82,7 +87,7 @@ async def run(
     """Serve until ``stop`` (default: SIGINT/SIGTERM); ``started`` gets the live state."""
     whole_process = stop is None  # run by a command, not embedded in another program
     stop = stop or stop_on_signals()
-    clients = WorkerClients()
+    clients = WorkerClients(options.internal_tls)
     metrics = RouterMetrics()
     inflight = InflightLoad()
     prefill_policy = make_policy(options.prefill_policy, WorkerRole.PREFILL, options.prefill_cost)
@@ -153,6 +158,7 @@ async def run(
         if options.api_keys is None
         else (ApiKeyInterceptor(options.api_keys, limiter),),
         tls=options.tls,
+        health_port=options.health_port,
     )
     await readiness.attach(server.set_serving)
     metrics_server = None
@@ -165,6 +171,8 @@ async def run(
         )
         metrics_port = metrics_server.sockets[0].getsockname()[1]
         log.info("metrics at http://%s:%d/metrics", options.host, metrics_port)
+    if server.health_port is not None:
+        log.info("plaintext gRPC health (for probes) at %s:%d", options.host, server.health_port)
     if started is not None:
         started.set_result(RouterState(orchestrator, indexer, metrics, server.port, metrics_port))
     print(f"READY router {options.host}:{server.port}", flush=True)

@@ -9,8 +9,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-import grpc
-
 from tandem.cli.launcher import ClusterSpec, LocalCluster
 from tandem.common.client import AsyncGenerationClient, build_request
 from tandem.common.wire import FINISH_REASON_FROM_PROTO
@@ -36,9 +34,12 @@ async def complete_all(
     prompts: Sequence[Sequence[int] | str],
     sampling: common_pb2.SamplingParams,
     timeout_s: float = 120,
+    *,
+    api_key: str | None = None,
+    root_certificates: bytes | None = None,
 ) -> list[Completion]:
     """Send every prompt at once and gather the full streams."""
-    async with AsyncGenerationClient(address) as client:
+    async with AsyncGenerationClient(address, api_key, root_certificates) as client:
         return list(
             await asyncio.gather(*(_collect(client, p, sampling, timeout_s) for p in prompts))
         )
@@ -56,9 +57,9 @@ async def _collect(client, prompt, sampling, timeout_s) -> Completion:
 
 
 def worker_status(cluster: LocalCluster, name: str) -> worker_pb2.WorkerStatus:
-    """``GetStatus`` of worker ``name`` (address from its READY line)."""
-    address = cluster.children[name].ready_line.split()[-1]
-    with grpc.insecure_channel(address) as channel:
+    """``GetStatus`` of worker ``name`` (address from its READY line; mTLS when the
+    cluster runs it)."""
+    with cluster.worker_channel(name) as channel:
         role = name.split("-")[0]
         stub = (
             worker_pb2_grpc.PrefillWorkerStub

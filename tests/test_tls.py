@@ -13,7 +13,7 @@ import grpc
 import pytest
 
 from tandem.common.client import AsyncGenerationClient
-from tandem.common.grpc_server import TLSFiles
+from tandem.common.tls import TLSFiles
 from tandem.router.main import RouterOptions, RouterState, run
 from tandem.router.routing.policy import PolicyName
 

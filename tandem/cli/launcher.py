@@ -20,14 +20,19 @@ import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TextIO
+from typing import TYPE_CHECKING, TextIO
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from tandem.cli.options import CommandError
+from tandem.common.client import auth_metadata
 from tandem.common.redis_server import EmbeddedRedis
+from tandem.common.tls import InternalTLS, internal_sync_channel
 from tandem.protos import generation_pb2, generation_pb2_grpc
+
+if TYPE_CHECKING:
+    from tandem.tools.certs import IssuedCerts
 
 READY_PREFIX = "READY "
 
@@ -61,6 +66,12 @@ class ClusterSpec:
     restart: bool = False
     """Restart a component that dies after start-up (``tandem serve``), with backoff.
     Off for tests, which kill components on purpose and watch what follows."""
+    tls_dir: Path | None = None
+    """Mutual TLS on every internal link and TLS on the router's public port, with the
+    certificates ``tandem certs`` writes here (made at start if the directory has no CA)."""
+    api_keys: tuple[str, ...] = ()
+    """Keys the router requires (passed in its environment, not its command line); the
+    launcher's own calls present the first."""
 
 
 RESTART_BACKOFF_S = (1.0, 2.0, 5.0, 10.0, 30.0)
@@ -89,6 +100,27 @@ class LocalCluster:
         self.num_restarts = 0
         self._stopping = threading.Event()
         self._supervisor: threading.Thread | None = None
+        self.certs: IssuedCerts | None = None
+
+    @property
+    def ca_certificates(self) -> bytes | None:
+        """PEM roots a client needs for the router's port (``None``: plaintext)."""
+        return None if self.certs is None else self.certs.ca.read_bytes()
+
+    @property
+    def api_key(self) -> str | None:
+        return self.spec.api_keys[0] if self.spec.api_keys else None
+
+    def router_channel(self) -> grpc.Channel:
+        """A blocking channel to the router's public port, TLS when the cluster has it."""
+        if self.certs is None:
+            return grpc.insecure_channel(self.router_address)
+        credentials = grpc.ssl_channel_credentials(self.ca_certificates)
+        return grpc.secure_channel(self.router_address, credentials)
+
+    def worker_channel(self, name: str) -> grpc.Channel:
+        """A blocking channel to a worker, presenting the router's certificate under mTLS."""
+        return internal_sync_channel(self.worker_address(name), self._internal_tls("router"))
 
     @property
     def router_address(self) -> str:
@@ -103,7 +135,11 @@ class LocalCluster:
         return self.children[name].ready_line.split()[-1]
 
     def start(self, timeout_s: float = 180.0) -> LocalCluster:
+        from tandem.router.auth import ENV_VAR as KEYS_ENV
+
         try:
+            if self.spec.tls_dir is not None:
+                self.certs = _certificates(self.spec.tls_dir, self.spec.host)
             if not self.redis_url:
                 self.redis = EmbeddedRedis().start()
                 self.redis_url = self.redis.url
@@ -116,6 +152,7 @@ class LocalCluster:
                 self._component_args(
                     "router", "--port", str(self.spec.router_port), *self.spec.router_args
                 ),
+                {KEYS_ENV: ",".join(self.spec.api_keys)} if self.spec.api_keys else None,
             )
             self.wait_ready(list(self.children), timeout_s)
             self.wait_for_workers(self.spec.num_prefill, self.spec.num_decode, timeout_s)
@@ -184,14 +221,16 @@ class LocalCluster:
             time.sleep(0.1)
 
     def router_health(self, service: str = "") -> int:
-        with grpc.insecure_channel(self.router_address) as channel:
+        with self.router_channel() as channel:
             request = health_pb2.HealthCheckRequest(service=service)
             return health_pb2_grpc.HealthStub(channel).Check(request, timeout=10.0).status
 
     def model_info(self) -> generation_pb2.ModelInfo:
-        with grpc.insecure_channel(self.router_address) as channel:
+        with self.router_channel() as channel:
             stub = generation_pb2_grpc.GenerationStub(channel)
-            return stub.ListModels(generation_pb2.ListModelsRequest(), timeout=10.0).models[0]
+            request = generation_pb2.ListModelsRequest()
+            models = stub.ListModels(request, timeout=10.0, metadata=auth_metadata(self.api_key))
+            return models.models[0]
 
     def kill(self, name: str, sig: int = signal.SIGKILL) -> None:
         child = self.children.pop(name)
@@ -242,7 +281,22 @@ class LocalCluster:
         ]
         if self.spec.model_name:
             args += ["--model-name", self.spec.model_name]
+        if self.certs is not None:
+            identity = "router" if command == "router" else command.removesuffix("-worker")
+            args += [
+                "--ssl-certfile",
+                str(self.certs.cert(identity)),
+                "--ssl-keyfile",
+                str(self.certs.key(identity)),
+                "--ssl-ca-certs",
+                str(self.certs.ca),
+            ]
         return [*args, *extra]
+
+    def _internal_tls(self, identity: str) -> InternalTLS | None:
+        if self.certs is None:
+            return None
+        return InternalTLS(self.certs.ca, self.certs.cert(identity), self.certs.key(identity))
 
     def _supervise(self) -> None:
         """Restart components that died, with backoff, until ``stop``."""
@@ -314,3 +368,17 @@ def _pump(child: _Child, sink: TextIO | None) -> None:
     finally:
         if sink is not None:
             sink.close()
+
+
+def _certificates(directory: Path, host: str) -> IssuedCerts:
+    """The certificates in ``directory``, made there first if it holds no CA."""
+    from tandem.tools.certs import DEFAULT_COMPONENTS, IssuedCerts, make_certs
+
+    if (directory / "ca.pem").is_file():
+        issued = IssuedCerts(directory, DEFAULT_COMPONENTS)
+        for name in DEFAULT_COMPONENTS:
+            if not issued.cert(name).is_file() or not issued.key(name).is_file():
+                raise ValueError(f"{directory} has a CA but no {issued.cert(name).name}")
+        return issued
+    hosts = () if host in ("0.0.0.0", "", "::") else (host,)
+    return make_certs(directory, DEFAULT_COMPONENTS, hosts)

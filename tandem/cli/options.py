@@ -11,6 +11,11 @@ import argparse
 import logging
 import os
 import re
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from tandem.common.tls import InternalTLS
 
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 
@@ -82,6 +87,12 @@ def add_server_options(parser: argparse.ArgumentParser) -> None:
     )
     g.add_argument("--host", default="127.0.0.1", help="address to listen on")
     g.add_argument(
+        "--health-port",
+        type=int,
+        help="also answer gRPC health (readiness and liveness) alone, in plaintext, on this "
+        "port: for probes that cannot do mutual TLS, e.g. a kubelet's (default: none)",
+    )
+    g.add_argument(
         "--drain-timeout",
         type=float,
         default=25.0,
@@ -127,3 +138,55 @@ def float_or_off(text: str) -> float | str:
         return float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected a number or 'off', got {text!r}") from None
+
+
+def add_internal_tls_options(parser: argparse.ArgumentParser, *, router: bool) -> None:
+    """Mutual TLS between Tandem's processes. A worker's port is internal, so its
+    ``--ssl-certfile``/``--ssl-keyfile`` are its identity as a server and as a client;
+    the router's public-port pair is separate (``--internal-certfile`` defaults to it)."""
+    g = parser.add_argument_group(
+        "mutual TLS between components",
+        "With --ssl-ca-certs every internal link (router to workers, decode to prefill "
+        "KV control) is TLS both ways: peers must present a certificate this CA signed. "
+        "`tandem certs DIR` makes a development CA and certificates.",
+    )
+    g.add_argument(
+        "--ssl-ca-certs", type=Path, help="the internal CA's certificates, PEM (default: off)"
+    )
+    if router:
+        g.add_argument(
+            "--internal-certfile",
+            type=Path,
+            help="certificate the router presents to workers (default: --ssl-certfile)",
+        )
+        g.add_argument(
+            "--internal-keyfile", type=Path, help="its private key (default: --ssl-keyfile)"
+        )
+    else:
+        g.add_argument("--ssl-certfile", type=Path, help="this worker's certificate chain, PEM")
+        g.add_argument("--ssl-keyfile", type=Path, help="its private key, PEM")
+    g.add_argument(
+        "--ssl-server-name",
+        help="verify peers' certificates against this name instead of the host they are "
+        "reached at (e.g. tandem-internal, in every `tandem certs` certificate)",
+    )
+
+
+def internal_tls(args: argparse.Namespace) -> InternalTLS | None:
+    """The internal mTLS settings given, checked (every file read); usage errors exit 2."""
+    from tandem.common.tls import InternalTLS
+
+    certfile = getattr(args, "internal_certfile", None) or args.ssl_certfile
+    keyfile = getattr(args, "internal_keyfile", None) or args.ssl_keyfile
+    cert_flags = "--internal-certfile" if hasattr(args, "internal_certfile") else "--ssl-certfile"
+    if args.ssl_ca_certs is None:
+        if hasattr(args, "internal_certfile") and (args.internal_certfile or args.internal_keyfile):
+            args.parser.error("--internal-certfile/--internal-keyfile need --ssl-ca-certs")
+        if args.ssl_server_name is not None:
+            args.parser.error("--ssl-server-name needs --ssl-ca-certs")
+        if not hasattr(args, "internal_certfile") and (args.ssl_certfile or args.ssl_keyfile):
+            args.parser.error("a worker's --ssl-certfile/--ssl-keyfile need --ssl-ca-certs")
+        return None
+    if certfile is None or keyfile is None:
+        args.parser.error(f"--ssl-ca-certs needs this process's certificate and key ({cert_flags})")
+    return InternalTLS(args.ssl_ca_certs, certfile, keyfile, args.ssl_server_name).check()

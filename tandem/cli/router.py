@@ -17,16 +17,18 @@ from typing import TYPE_CHECKING
 
 from tandem.cli.options import (
     add_command,
+    add_internal_tls_options,
     add_server_options,
     float_or_off,
+    internal_tls,
     positive_int,
     require_redis,
     setup_logging,
 )
 
 if TYPE_CHECKING:
-    from tandem.common.grpc_server import TLSFiles
     from tandem.common.registry import WorkerRole
+    from tandem.common.tls import TLSFiles
     from tandem.router.rate_limit import RateLimit
     from tandem.router.routing.prefix_aware import PrefixCost
 
@@ -95,6 +97,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     tls = router.add_argument_group("TLS on the public port (both files, or neither)")
     tls.add_argument("--ssl-certfile", type=Path, help="PEM certificate chain (default: off)")
     tls.add_argument("--ssl-keyfile", type=Path, help="PEM private key (default: off)")
+    add_internal_tls_options(router, router=True)
     ready = router.add_argument_group(
         "readiness",
         "gRPC health (service '') is NOT_SERVING while fewer workers than these are "
@@ -197,7 +200,7 @@ def _rate_limit(args: argparse.Namespace) -> RateLimit | None:
 
 
 def _tls(args: argparse.Namespace) -> TLSFiles | None:
-    from tandem.common.grpc_server import TLSFiles
+    from tandem.common.tls import TLSFiles
 
     if (args.ssl_certfile is None) != (args.ssl_keyfile is None):
         args.parser.error("--ssl-certfile and --ssl-keyfile go together")
@@ -223,6 +226,7 @@ def run(args: argparse.Namespace) -> int:
         stall = StallPolicy(floor_s=args.stall_timeout)
         api_keys = ApiKeys.gather(args.api_key, args.api_key_file, os.environ.get(KEYS_ENV))
         tls = _tls(args)
+        mtls = internal_tls(args)
         rate_limit = _rate_limit(args)
         if rate_limit is not None and api_keys is None:
             args.parser.error("--rate-limit is per API key: give keys too (--api-key-file ...)")
@@ -246,6 +250,8 @@ def run(args: argparse.Namespace) -> int:
         stall=stall,
         api_keys=api_keys,
         tls=tls,
+        internal_tls=mtls,
+        health_port=args.health_port,
         rate_limit=rate_limit,
         drain_timeout_s=args.drain_timeout,
     )

@@ -40,6 +40,19 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     serve.add_argument("--redis-url", help="an existing Redis (default: start an embedded one)")
     serve.add_argument("--log-dir", type=Path, help="one log file per process (default: echo)")
     serve.add_argument("--demo", action="store_true", help="answer a sample request, then stop")
+    security = serve.add_argument_group("security")
+    security.add_argument(
+        "--tls-dir",
+        type=Path,
+        help="TLS on the router's port and mutual TLS between every component, with the "
+        "certificates of `tandem certs DIR` (made there if DIR has no ca.pem; default: off)",
+    )
+    security.add_argument(
+        "--api-key",
+        action="append",
+        default=[],
+        help="a key the router requires (repeatable; also $TANDEM_API_KEYS, comma-separated)",
+    )
     serve.add_argument(
         "--log-level",
         default="INFO",
@@ -114,6 +127,8 @@ def _run(args: argparse.Namespace) -> int:
         log_dir=args.log_dir,
         log_level=args.log_level,
         restart=not args.demo,
+        tls_dir=args.tls_dir,
+        api_keys=_api_keys(args),
     )
     try:
         check_flags(spec)
@@ -127,8 +142,10 @@ def _run(args: argparse.Namespace) -> int:
         print(
             f"tandem serving {cluster.model_name!r} at {cluster.router_address}; registry {redis}"
         )
+        if cluster.certs is not None:
+            print(f"TLS on; clients trust {cluster.certs.ca} (tandem generate --ssl-ca-certs)")
         if args.demo:
-            _demo(cluster.router_address)
+            _demo(cluster)
             _print_speculation(cluster)
             return 0
         _wait_for_ctrl_c()
@@ -191,13 +208,28 @@ def default_model() -> Path:
     return path
 
 
-def _demo(address: str) -> None:
+def _api_keys(args: argparse.Namespace) -> tuple[str, ...]:
+    import os
+
+    from_env = [k.strip() for k in os.environ.get("TANDEM_API_KEYS", "").split(",")]
+    return tuple(dict.fromkeys(k for k in [*args.api_key, *from_env] if k))
+
+
+def _demo(cluster: LocalCluster) -> None:
     from tandem.common.client import stream_generate
     from tandem.protos import common_pb2
 
     print(f"\n>>> {DEMO_PROMPT}")
     sampling = common_pb2.SamplingParams(max_tokens=48, temperature=0)
-    for response in stream_generate(address, DEMO_PROMPT, sampling, timeout_s=120):
+    responses = stream_generate(
+        cluster.router_address,
+        DEMO_PROMPT,
+        sampling,
+        timeout_s=120,
+        api_key=cluster.api_key,
+        root_certificates=cluster.ca_certificates,
+    )
+    for response in responses:
         sys.stdout.write(response.text)
         sys.stdout.flush()
         if response.HasField("usage"):
@@ -210,12 +242,10 @@ def _demo(address: str) -> None:
 
 def _print_speculation(cluster: LocalCluster) -> None:
     """What the decode workers' speculative decoding did (from their ``GetStatus``)."""
-    import grpc
-
     from tandem.protos import worker_pb2, worker_pb2_grpc
 
     for i in range(cluster.spec.num_decode):
-        with grpc.insecure_channel(cluster.worker_address(f"decode-{i}")) as channel:
+        with cluster.worker_channel(f"decode-{i}") as channel:
             status = worker_pb2_grpc.DecodeWorkerStub(channel).GetStatus(
                 worker_pb2.StatusRequest(), timeout=10
             )

@@ -22,8 +22,10 @@ from tandem.cli.options import (
     LINEAR_BACKENDS,
     SPECULATIVE_METHODS,
     add_command,
+    add_internal_tls_options,
     add_server_options,
     device,
+    internal_tls,
     positive_int,
     require_redis,
     setup_logging,
@@ -155,6 +157,7 @@ def _add_worker(subparsers: argparse._SubParsersAction, role: str) -> argparse.A
         default=1.0,
         help="seconds between registry heartbeats (each carries the worker's load)",
     )
+    add_internal_tls_options(worker, router=False)
     engine = worker.add_argument_group("engine")
     speculative = worker.add_argument_group("speculative decoding")
     for spec in ROLE_ENGINE_FLAGS[role]:
@@ -190,6 +193,10 @@ def run(args: argparse.Namespace) -> int:
 
     check_speculation(args)
     require_redis(args)
+    try:
+        tls = internal_tls(args)
+    except ValueError as err:
+        raise SystemExit(f"error: {err}") from err
     setup_logging(args.log_level)
     prefill = args.role == "prefill"
     role_options = (
@@ -209,6 +216,8 @@ def run(args: argparse.Namespace) -> int:
         heartbeat_interval_s=args.heartbeat_interval,
         drain_timeout_s=args.drain_timeout,
         engine_stall_timeout_s=args.engine_stall_timeout,
+        tls=tls,
+        health_port=args.health_port,
         **role_options,
     )
     if prefill:

@@ -15,12 +15,13 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 from grpc_reflection.v1alpha import reflection
+
+from tandem.common.tls import InternalTLS, TLSFiles
 
 MAX_MESSAGE_BYTES = 64 * 2**20
 
@@ -31,21 +32,6 @@ SERVER_OPTIONS = (
 )
 
 AddServicer = Callable[[grpc.aio.Server], None]
-
-
-@dataclass(frozen=True)
-class TLSFiles:
-    """A server's certificate chain and private key (PEM files), for TLS on its port."""
-
-    certfile: Path
-    keyfile: Path
-
-    def server_credentials(self) -> grpc.ServerCredentials:
-        try:
-            pair = (self.keyfile.read_bytes(), self.certfile.read_bytes())
-        except OSError as err:
-            raise ValueError(f"cannot read TLS file {err.filename}: {err.strerror}") from None
-        return grpc.ssl_server_credentials([pair])
 
 
 LIVENESS_SERVICE = "tandem.liveness"
@@ -59,6 +45,9 @@ class RunningServer:
     health: health_aio.HealthServicer
     service_names: tuple[str, ...]
     ready: bool = False
+    health_server: grpc.aio.Server | None = None
+    """The plaintext health-only server (``health_port``), when there is one."""
+    health_port: int | None = None
 
     async def set_serving(self, serving: bool) -> None:
         """Readiness: the overall status and every served service's."""
@@ -71,6 +60,8 @@ class RunningServer:
         await self.set_serving(False)
         await self.health.set(LIVENESS_SERVICE, _status(False))
         await self.server.stop(grace_s)
+        if self.health_server is not None:
+            await self.health_server.stop(0)
 
 
 def _status(serving: bool) -> health_pb2.HealthCheckResponse.ServingStatus:
@@ -88,12 +79,16 @@ async def start_server(
     service_names: Sequence[str],
     ready: bool = True,
     interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
-    tls: TLSFiles | None = None,
+    tls: TLSFiles | InternalTLS | None = None,
+    health_port: int | None = None,
 ) -> RunningServer:
     """Bind ``host:port`` (port 0 picks a free one), register the services, health and
     reflection, start serving. ``service_names`` are full names (``tandem.v1.Generation``).
     ``ready=False``: readiness starts ``NOT_SERVING`` until ``set_serving(True)``;
-    liveness is ``SERVING`` either way."""
+    liveness is ``SERVING`` either way. ``tls``: plaintext when ``None``; server TLS
+    (``TLSFiles``) or mutual TLS, clients need a certificate the CA signed (``InternalTLS``).
+    ``health_port``: also answer ``grpc.health.v1`` alone, in plaintext, on that port (0:
+    a free one) — for probes that cannot present a certificate (a kubelet's)."""
     server = grpc.aio.server(options=SERVER_OPTIONS, interceptors=tuple(interceptors))
     for add in add_servicers:
         add(server)
@@ -107,8 +102,18 @@ async def start_server(
         bound = server.add_secure_port(f"{host}:{port}", tls.server_credentials())
     if bound == 0:
         raise OSError(f"cannot bind {host}:{port}")
+    health_server, health_bound = None, None
+    if health_port is not None:
+        health_server = grpc.aio.server()
+        health_pb2_grpc.add_HealthServicer_to_server(health, health_server)
+        health_bound = health_server.add_insecure_port(f"{host}:{health_port}")
+        if health_bound == 0:
+            raise OSError(f"cannot bind the health port {host}:{health_port}")
+        await health_server.start()
     await server.start()
-    running = RunningServer(server, bound, health, tuple(service_names))
+    running = RunningServer(
+        server, bound, health, tuple(service_names), False, health_server, health_bound
+    )
     await health.set(LIVENESS_SERVICE, _status(True))
     await running.set_serving(ready)
     return running

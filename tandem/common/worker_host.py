@@ -26,6 +26,7 @@ from tandem.common.registry import (
     WorkerRole,
 )
 from tandem.common.registry.redis_io import REDIS_ERRORS, FailureLog
+from tandem.common.tls import InternalTLS
 
 log = logging.getLogger(__name__)
 
@@ -56,6 +57,10 @@ class WorkerOptions:
     """On SIGTERM: how long in-flight calls may still run after deregistering."""
     engine_stall_timeout_s: float = 30.0
     """An engine loop that has not advanced for this long makes the worker not ready."""
+    tls: InternalTLS | None = None
+    """Mutual TLS on this worker's port and on its calls to other workers."""
+    health_port: int | None = None
+    """A plaintext port answering gRPC health alone (for probes), when set."""
 
     @property
     def public_host(self) -> str:
@@ -77,7 +82,14 @@ async def host_worker(
     past ``options.engine_stall_timeout_s`` the worker is not ready (see ``_membership``)."""
     whole_process = stop is None  # run by a command, not embedded in another program
     stop = stop or stop_on_signals()
-    server = await start_server(options.host, options.port, add_servicers, service_names)
+    server = await start_server(
+        options.host,
+        options.port,
+        add_servicers,
+        service_names,
+        tls=options.tls,
+        health_port=options.health_port,
+    )
     address = f"{options.public_host}:{server.port}"
     info = make_info(address)
     registration = WorkerRegistration(options.redis_url, ttl_s=options.registry_ttl_s)
@@ -87,7 +99,12 @@ async def host_worker(
             _membership(options, registration, server, info, load, engine_stalled_s)
         )
         log.info(
-            "%s worker %s serving %s at %s", info.role.value, info.worker_id, info.model, address
+            "%s worker %s serving %s at %s%s",
+            info.role.value,
+            info.worker_id,
+            info.model,
+            address,
+            "" if server.health_port is None else f" (health also on :{server.health_port})",
         )
         print(f"READY {info.role.value} {info.worker_id} {address}", flush=True)
         await stop.wait()
