@@ -31,7 +31,13 @@ async def run(options: WorkerOptions, stop: asyncio.Event | None = None) -> None
     async_engine = AsyncEngine(engine)
     async_engine.start()
     layout = KVLayout(model=options.model_name, **dataclasses.asdict(engine.runner.layout))
-    sender = KVSender(layout, engine.runner.kv_caches, options.public_host, 0, options.worker_id)
+    sender = KVSender(
+        layout,
+        engine.runner.kv_caches,
+        options.public_host,
+        options.kv_store_port,
+        options.worker_id,
+    )
     leases = LeaseTable()
     service = PrefillService(
         async_engine, leases, sender, options.worker_id, options.lease_ttl_s, kv_events

@@ -121,6 +121,13 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         default=30.0,
         help="seconds a prefilled request's KV waits to be pulled before it is freed",
     )
+    prefill.add_argument(
+        "--kv-store-port",
+        type=int,
+        default=0,
+        help="TCP port of the torch.distributed store decode workers rendezvous at to pull "
+        "KV (0: a free port); plaintext, see docs/reliability.md#trust-boundary",
+    )
     decode = _add_worker(subparsers, "decode")
     decode.add_argument(
         "--kv-pull-timeout",
@@ -200,7 +207,9 @@ def run(args: argparse.Namespace) -> int:
     setup_logging(args.log_level)
     prefill = args.role == "prefill"
     role_options = (
-        {"lease_ttl_s": args.lease_ttl} if prefill else {"kv_pull_timeout_s": args.kv_pull_timeout}
+        {"lease_ttl_s": args.lease_ttl, "kv_store_port": args.kv_store_port}
+        if prefill
+        else {"kv_pull_timeout_s": args.kv_pull_timeout}
     )
     options = WorkerOptions(
         role=WorkerRole(args.role),

@@ -50,6 +50,8 @@ class WorkerOptions:
     engine: Mapping[str, object] = field(default_factory=dict)
     """``EngineConfig`` fields other than the model directory."""
     lease_ttl_s: float = 30.0
+    kv_store_port: int = 0
+    """Prefill: the KV rendezvous store's TCP port (0: a free one)."""
     kv_pull_timeout_s: float = 10.0
     registry_ttl_s: float = DEFAULT_TTL_S
     heartbeat_interval_s: float = DEFAULT_HEARTBEAT_INTERVAL_S
