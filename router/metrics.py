@@ -34,6 +34,12 @@ class RouterMetrics:
     event_batches_undecodable: int = 0
     snapshots_fetched: int = 0
     snapshot_failures: int = 0
+    prefill_retries: int = 0
+    """Prefills that failed on a worker and were tried on another."""
+    decode_migrations: int = 0
+    """Decode streams whose worker failed or stalled (each goes on elsewhere if it can)."""
+    decode_stalls: int = 0
+    """Of those, streams moved because they stalled (``router.stall``)."""
     decision_seconds: Histogram = field(default_factory=lambda: Histogram(DECISION_BUCKETS_S))
     """Index lookup + load merge + policy, per pick."""
     hash_seconds: Histogram = field(default_factory=lambda: Histogram(DECISION_BUCKETS_S))
@@ -97,6 +103,17 @@ def render_metrics(
         ),
         ("kv_snapshots_total", "worker cache snapshots fetched", m.snapshots_fetched),
         ("kv_snapshot_failures_total", "failed snapshot fetches", m.snapshot_failures),
+        (
+            "prefill_retries_total",
+            "prefills that failed on a worker and were tried on another",
+            m.prefill_retries,
+        ),
+        (
+            "decode_migrations_total",
+            "decode streams whose worker failed or stalled (each goes on elsewhere if it can)",
+            m.decode_migrations,
+        ),
+        ("decode_stalls_total", "decode streams moved because they stalled", m.decode_stalls),
     )
     parts = [
         format_family(f"tandem_router_{name}", "counter", text, [Sample({}, value)])

@@ -210,6 +210,7 @@ class Orchestrator:
                     "prefill on %s failed (%s); trying another", worker.info.worker_id, _why(err)
                 )
                 tried.add(worker.info.worker_id)
+                self.metrics.prefill_retries += 1
                 continue
             finally:
                 self.pools.end(ticket)
@@ -282,6 +283,7 @@ class Orchestrator:
                 log.warning(
                     "decode on %s stalled (%s); continuing elsewhere", worker.info.worker_id, err
                 )
+                self.metrics.decode_stalls += 1
             except (grpc.aio.AioRpcError, asyncio.CancelledError) as err:
                 if not worker_failed(err):
                     raise
@@ -294,6 +296,7 @@ class Orchestrator:
                 call.cancel()
                 self.pools.end(ticket)
             tried.add(worker.info.worker_id)
+            self.metrics.decode_migrations += 1
             handle = None  # the next worker recomputes prompt + produced tokens itself
         raise NoWorkerAvailable("no decode worker is available for this model")
 

@@ -35,3 +35,12 @@ def test_a_plan_names_points_actions_and_calls() -> None:
 def test_a_plan_it_cannot_read_is_refused_by_name(text: str, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         parse_faults(text)
+
+
+def test_a_probabilistic_fault_fires_on_about_that_share_of_calls() -> None:
+    sometimes = parse_faults("kv.send:drop~0.25")["kv.send"]
+    fired = sum(sometimes.fire() for _ in range(4000))
+    assert 800 < fired < 1200  # 1000 expected; outside this is ~1e-10 likely
+    assert sum(parse_faults("kv.send:drop~1")["kv.send"].fire() for _ in range(50)) == 50
+    with pytest.raises(ValueError, match="cannot read"):
+        parse_faults("kv.send:drop~1.5")

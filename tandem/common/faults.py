@@ -8,8 +8,9 @@ separated by commas::
 
 Actions: ``delay=S`` (sleep S seconds, then go on), ``drop`` (skip the operation: what
 that means is the point's to say), ``corrupt`` (damage the data the point handles),
-``crash`` (``os._exit(70)`` at once, as a ``kill -9`` would end it). ``WHEN``: ``N``
-fires on the N-th call only, ``N+`` on every call from the N-th, nothing on every call.
+``crash`` (``os._exit(70)`` at once, as a ``kill -9`` would end it). ``WHEN``: ``@N``
+fires on the N-th call only, ``@N+`` on every call from the N-th, ``~P`` on each call
+with probability P (e.g. ``kv.send:corrupt~0.1``), nothing on every call.
 
 Points, and the actions each takes:
 
@@ -29,6 +30,7 @@ from __future__ import annotations
 
 import functools
 import os
+import random
 import re
 import threading
 import time
@@ -45,7 +47,7 @@ CRASH_EXIT_CODE = 70
 
 _FAULT = re.compile(
     r"(?P<point>[a-z.]+):(?P<action>delay|drop|corrupt|crash)(=(?P<value>[0-9.]+))?"
-    r"(@(?P<nth>\d+)(?P<onward>\+)?)?"
+    r"(@(?P<nth>\d+)(?P<onward>\+)?|~(?P<probability>0?\.\d+|1|1\.0+))?"
 )
 
 
@@ -60,6 +62,7 @@ class Fault:
     seconds: float = 0.0
     nth: int | None = None
     onward: bool = False
+    probability: float | None = None
     calls: int = 0
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
@@ -68,6 +71,8 @@ class Fault:
             self.calls += 1
             calls = self.calls
         if self.nth is not None and (calls < self.nth or (calls > self.nth and not self.onward)):
+            return False
+        if self.probability is not None and random.random() >= self.probability:
             return False
         if self.action == "crash":
             os._exit(CRASH_EXIT_CODE)
@@ -84,7 +89,7 @@ def parse_faults(text: str) -> dict[str, Fault]:
             continue
         match = _FAULT.fullmatch(part)
         if match is None:
-            raise ValueError(f"{ENV_VAR}: cannot read {part!r} (expected POINT:ACTION[@N[+]])")
+            raise ValueError(f"{ENV_VAR}: cannot read {part!r} (expected POINT:ACTION[@N[+]|~P])")
         point, action, value = match["point"], match["action"], match["value"]
         if point not in POINTS:
             raise ValueError(f"{ENV_VAR}: unknown point {point!r}; points: {', '.join(POINTS)}")
@@ -93,7 +98,10 @@ def parse_faults(text: str) -> dict[str, Fault]:
         if (action == "delay") != (value is not None):
             raise ValueError(f"{ENV_VAR}: {part!r}: delay takes =SECONDS, the others nothing")
         nth = int(match["nth"]) if match["nth"] else None
-        faults[point] = Fault(point, action, float(value or 0), nth, bool(match["onward"]))
+        probability = float(match["probability"]) if match["probability"] else None
+        faults[point] = Fault(
+            point, action, float(value or 0), nth, bool(match["onward"]), probability
+        )
     return faults
 
 
