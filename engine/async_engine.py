@@ -48,6 +48,9 @@ class AsyncEngine:
         self.on_kv_pull = on_kv_pull
         self._commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
         self._streams: dict[str, asyncio.Queue[RequestDelta | BaseException]] = {}
+        self._closing: set[str] = set()
+        """Ids whose stream was left early and whose abort the engine has not run yet:
+        their deltas may still arrive, so the id is not free for a new request."""
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._stopping = threading.Event()
@@ -107,8 +110,11 @@ class AsyncEngine:
         prefill_mode: PrefillMode = PrefillMode.LOCAL,
     ) -> AsyncIterator[RequestDelta]:
         """Add a request and yield its deltas until it finishes (or, for ``HAND_OFF``,
-        until its first token is out). ``ValueError`` if the engine refuses it. Leaving
-        the loop early aborts the request."""
+        until its first token is out). ``ValueError`` if the engine refuses it, or if
+        ``request_id`` still names a request here (one running, or left early and not
+        yet aborted). Leaving the loop early aborts the request."""
+        if request_id in self._streams or request_id in self._closing:
+            raise ValueError(f"request_id {request_id!r} is already in use")
         stream: asyncio.Queue[RequestDelta | BaseException] = asyncio.Queue()
         self._streams[request_id] = stream
         done = False
@@ -127,7 +133,13 @@ class AsyncEngine:
         finally:
             self._streams.pop(request_id, None)
             if not done and not self._stopping.is_set():
-                self._commands.put(lambda: self.engine.abort_request(request_id))
+                self._closing.add(request_id)
+
+                def abort() -> None:
+                    self.engine.abort_request(request_id)
+                    self._post(self._closing.discard, request_id)
+
+                self._commands.put(abort)
 
     # --- the engine thread -------------------------------------------------------------
 

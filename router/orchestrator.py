@@ -30,7 +30,7 @@ import contextlib
 import dataclasses
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 
 import grpc
@@ -46,6 +46,7 @@ from tandem.router.routing.inflight import InflightLoad
 from tandem.router.routing.live_pools import LivePools
 from tandem.router.routing.policy import RoutingPolicy, RoutingRequest
 from tandem.router.stall import StallPolicy, StreamClock, StreamStalled
+from tandem.router.suspects import DEFAULT_HOLD_S, Suspects
 from tandem.router.validation import ValidatedRequest
 
 log = logging.getLogger(__name__)
@@ -84,6 +85,8 @@ class OrchestratorConfig:
     max_decode_attempts: int = 3
     stall: StallPolicy = StallPolicy()
     """When a decode stream that sends nothing counts as stalled (``router.stall``)."""
+    suspect_hold_s: float = DEFAULT_HOLD_S
+    """How long a worker a call just failed or stalled on is avoided (``router.suspects``)."""
 
 
 @dataclass(frozen=True)
@@ -147,6 +150,7 @@ class Orchestrator:
             prefill_policy.uses_prefix_match or decode_policy.uses_prefix_match
         )
         self._background: set[asyncio.Future[None]] = set()
+        self.suspects = Suspects(config.suspect_hold_s)
 
     async def run(
         self, request: ValidatedRequest, trace: RequestTrace, deadline: float | None
@@ -191,7 +195,10 @@ class Orchestrator:
         )
         tried: set[str] = set()
         for _ in range(self.config.max_prefill_attempts):
-            pick = self._pick(WorkerRole.PREFILL, self.prefill_policy, routing, tried)
+            suspects = self.suspects.current()
+            pick = self._pick_first(
+                WorkerRole.PREFILL, self.prefill_policy, routing, (tried | suspects, tried)
+            )
             if pick is None:
                 return None
             worker = pick.worker
@@ -210,6 +217,7 @@ class Orchestrator:
                     "prefill on %s failed (%s); trying another", worker.info.worker_id, _why(err)
                 )
                 tried.add(worker.info.worker_id)
+                self.suspects.mark(worker.info.worker_id)
                 self.metrics.prefill_retries += 1
                 continue
             finally:
@@ -250,8 +258,15 @@ class Orchestrator:
         deadline: float | None,
     ) -> AsyncIterator[TokenChunk]:
         tried: set[str] = set()
-        for _ in range(self.config.max_decode_attempts):
-            pick = self._pick(WorkerRole.DECODE, self.decode_policy, routing, tried)
+        last: str | None = None
+        for attempt in range(self.config.max_decode_attempts):
+            # An untried worker first; once every one was tried, one still registered may
+            # take the stream again (a stream can fail while its worker is fine), another
+            # than the one just left if possible. Suspects only when nothing else is left.
+            suspects = self.suspects.current()
+            just_left = {last} if last is not None else tried
+            excludes = (tried | suspects, just_left | suspects, suspects, tried, just_left, set())
+            pick = self._pick_first(WorkerRole.DECODE, self.decode_policy, routing, excludes)
             if pick is None:
                 break
             worker = pick.worker
@@ -261,7 +276,9 @@ class Orchestrator:
                 worker.info.worker_id, -(-num_tokens // worker.info.capacity.block_size)
             )
             message = worker_pb2.DecodeRequest(
-                request_id=request.request_id,
+                # A retry has an id of its own: the worker it goes to may still be
+                # tearing down an earlier attempt of the same request.
+                request_id=request.request_id if not attempt else f"{request.request_id}~{attempt}",
                 prompt_token_ids=request.prompt_token_ids,
                 output_token_ids=produced,
                 sampling=_worker_sampling(request),
@@ -279,11 +296,16 @@ class Orchestrator:
                     yield TokenChunk(tuple(response.token_ids), tuple(response.logprobs), finish)
                     if finish is not None:
                         return
+                log.warning(
+                    "decode stream on %s ended without a finish reason; continuing elsewhere",
+                    worker.info.worker_id,
+                )
             except StreamStalled as err:
                 log.warning(
                     "decode on %s stalled (%s); continuing elsewhere", worker.info.worker_id, err
                 )
                 self.metrics.decode_stalls += 1
+                self.suspects.mark(worker.info.worker_id)
             except (grpc.aio.AioRpcError, asyncio.CancelledError) as err:
                 if not worker_failed(err):
                     raise
@@ -292,12 +314,19 @@ class Orchestrator:
                     worker.info.worker_id,
                     _why(err),
                 )
+                self.suspects.mark(worker.info.worker_id)
             finally:
                 call.cancel()
                 self.pools.end(ticket)
             tried.add(worker.info.worker_id)
+            last = worker.info.worker_id
             self.metrics.decode_migrations += 1
             handle = None  # the next worker recomputes prompt + produced tokens itself
+        log.warning(
+            "request %s: no decode worker left to try (tried %s)",
+            request.request_id,
+            ", ".join(trace.decode_workers) or "none",
+        )
         raise NoWorkerAvailable("no decode worker is available for this model")
 
     def _note_kv(self, response: worker_pb2.DecodeResponse, trace: RequestTrace) -> None:
@@ -330,12 +359,31 @@ class Orchestrator:
                 return workers[0].info.capacity.block_size
         return None
 
+    def _pick_first(
+        self,
+        role: WorkerRole,
+        policy: RoutingPolicy,
+        routing: RoutingRequest,
+        excludes: Sequence[set[str] | frozenset[str]],
+    ) -> _Pick | None:
+        """A pick from the pool without the first of ``excludes`` that leaves anyone.
+        Without suspects, and on the first try, that is simply the first."""
+        seen: list[set[str] | frozenset[str]] = []
+        for exclude in excludes:
+            if exclude in seen:
+                continue
+            seen.append(exclude)
+            pick = self._pick(role, policy, routing, exclude)
+            if pick is not None:
+                return pick
+        return None
+
     def _pick(
         self,
         role: WorkerRole,
         policy: RoutingPolicy,
         routing: RoutingRequest,
-        exclude: set[str],
+        exclude: set[str] | frozenset[str],
     ) -> _Pick | None:
         """Choose (on the current snapshot) and record; no ``await`` in between."""
         start = time.perf_counter()

@@ -54,7 +54,10 @@ def make_cluster(
     started: list[LocalCluster] = []
 
     def make(
-        num_decode: int = 2, router_args: tuple[str, ...] = (), decode_args: tuple[str, ...] = ()
+        num_decode: int = 2,
+        router_args: tuple[str, ...] = (),
+        decode_args: tuple[str, ...] = (),
+        worker_env: dict[str, dict[str, str]] | None = None,
     ) -> LocalCluster:
         spec = ClusterSpec(
             model_dir=str(model_dir),
@@ -67,6 +70,7 @@ def make_cluster(
             router_args=router_args,
             threads_per_worker=1,
             log_dir=tmp_path / "logs",
+            worker_env=worker_env or {},
         )
         cluster = LocalCluster(spec).start()
         started.append(cluster)
@@ -270,6 +274,26 @@ def test_a_stream_that_ends_without_a_finish_continues_elsewhere(make_cluster, o
 
     assert asyncio.run(run()) == _expected(offline, prompts, 64)
     assert worker_status(cluster, "decode-1").num_requests > 0  # it did get streams
+
+
+def test_a_dropped_stream_goes_back_to_a_worker_already_tried_when_none_is_left(
+    make_cluster, offline
+):
+    """decode-0 cuts its first stream at the 3rd message (one drop, then it is healthy)
+    and is the only decode worker: the router may take the stream back there rather than
+    fail it with "no decode worker" (a soak run found that failure when the other
+    worker was down at the same time)."""
+    cluster = make_cluster(
+        num_decode=1, worker_env={"decode-0": {"TANDEM_FAULTS": "decode.stream:drop@3"}}
+    )
+    prompt = random_prompts(1, 4096, (40, 60), seed=49)
+
+    async def run() -> list[int]:
+        async with AsyncGenerationClient(cluster.router_address) as client:
+            return await _tokens(client, prompt[0], 24)
+
+    assert asyncio.run(run()) == _expected(offline, prompt, 24)[0]
+    assert worker_status(cluster, "decode-0").num_requests == 2  # the same worker, twice
 
 
 def test_worker_that_stops_heartbeating_leaves_and_rejoins(make_cluster, offline):

@@ -69,6 +69,9 @@ class ClusterSpec:
     tls_dir: Path | None = None
     """Mutual TLS on every internal link and TLS on the router's public port, with the
     certificates ``tandem certs`` writes here (made at start if the directory has no CA)."""
+    worker_env: Mapping[str, Mapping[str, str]] = field(default_factory=dict)
+    """Extra environment for one worker, by name (``decode-1``: a fault plan, say); a
+    restarted worker gets it again."""
     api_keys: tuple[str, ...] = ()
     """Keys the router requires (passed in its environment, not its command line); the
     launcher's own calls present the first."""
@@ -182,7 +185,7 @@ class LocalCluster:
             *self.spec.worker_args,
             *(self.spec.prefill_args if role == "prefill" else self.spec.decode_args),
         )
-        self._spawn(name, args, env)
+        self._spawn(name, args, {**self.spec.worker_env.get(name, {}), **(env or {})})
 
     def wait_ready(self, names: Sequence[str], timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
