@@ -36,7 +36,7 @@ def test_a_soak_under_faults_loses_nothing(
     assert report.requests > 100 and report.completed > 0.8 * report.requests
     # Errors are outcomes too, but under these faults they should be rare.
     assert sum(report.errors.values()) <= 0.01 * report.requests, report.errors
-    assert sum(report.faults.values()) >= 5, report.faults
+    assert sum(report.faults.values()) >= max(2, DURATION_S // 30), report.faults
     assert set(report.faults) <= set(FAULT_KINDS)
     if report.faults.keys() & {"kill9-decode", "sigterm-decode", "sigstop-decode"}:
         assert report.migrations > 0  # streams did move off a failed decode worker
