@@ -27,6 +27,7 @@ from tandem.common.client import AsyncGenerationClient, build_request
 from tandem.common.redis_server import find_redis_binary
 from tandem.engine import LLM, SamplingParams
 from tandem.protos import common_pb2, worker_pb2, worker_pb2_grpc
+from tests.cluster_util import free_port
 from tests.hf_reference import random_prompts
 from tests.netns_util import Lab, LabUnavailable, check_privileges, network_lab
 
@@ -93,7 +94,7 @@ def cluster(lab: Lab, make_checkpoint: Callable[..., Path], tmp_path_factory):
     """Redis on the bridge; the three components, each in its namespace."""
     logs = tmp_path_factory.mktemp("netns-logs")
     model = str(make_checkpoint("llama"))
-    redis_port = 6390 + int(lab.tag) % 500
+    redis_port = free_port()
     redis_argv = f"--bind {lab.gateway} --port {redis_port} --appendonly no".split()
     redis = subprocess.Popen(
         [str(find_redis_binary().path), *redis_argv, "--save", ""],
