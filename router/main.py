@@ -25,7 +25,7 @@ from tandem.router.readiness import ReadinessRule, ReadinessTracker
 from tandem.router.routing.inflight import InflightLoad
 from tandem.router.routing.policy import PolicyName, make_policy
 from tandem.router.routing.prefix_aware import PrefixCost
-from tandem.router.service import GenerationService
+from tandem.router.service import GenerationService, Generator
 from tandem.router.stall import StallPolicy
 from tandem.router.validation import RequestValidator
 
@@ -145,9 +145,10 @@ async def run(
     validator = RequestValidator.from_dir(
         options.model_dir, options.model_name, options.max_model_len
     )
-    service = GenerationService(
+    generator = Generator(
         validator, Tokenizer.from_dir(options.model_dir), orchestrator, options.max_pending_requests
     )
+    service = GenerationService(generator)
     server = await start_server(
         options.host,
         options.port,

@@ -27,7 +27,25 @@ from tandem.router.validation import InvalidRequest, RequestValidator, Validated
 log = logging.getLogger(__name__)
 
 
-class GenerationService(generation_pb2_grpc.GenerationServicer):
+class Overloaded(Exception):
+    """The router holds ``max_pending_requests`` already (``RESOURCE_EXHAUSTED``)."""
+
+
+class WorkerError(Exception):
+    """A worker call failed in a way no other worker can make good."""
+
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+class Generator:
+    """The request path both public APIs share (gRPC here, OpenAI HTTP in
+    ``router.openai_api``): validate, admit, stream the orchestrator's tokens through the
+    request's text stream, finish with usage. Raises ``InvalidRequest``, ``Overloaded``,
+    ``NoWorkerAvailable`` or ``WorkerError``; closing the stream early cancels the
+    request on the workers."""
+
     def __init__(
         self,
         validator: RequestValidator,
@@ -41,44 +59,32 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         self.max_pending_requests = max_pending_requests
         self.num_pending = 0
 
-    async def Generate(
-        self, request: generation_pb2.GenerateRequest, context: grpc.aio.ServicerContext
-    ) -> AsyncIterator[generation_pb2.GenerateResponse]:
-        try:
-            validated = self.validator.validate(request)
-        except InvalidRequest as err:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
-        if self.num_pending >= self.max_pending_requests:
-            await context.abort(
-                grpc.StatusCode.RESOURCE_EXHAUSTED,
-                f"the router is at its limit of {self.max_pending_requests} requests in "
-                "flight; retry later",
-            )
-        self.num_pending += 1
-        try:
-            async for response in self._stream(validated, context):
-                yield response
-        finally:
-            self.num_pending -= 1
-
-    async def ListModels(
-        self, request: generation_pb2.ListModelsRequest, context: grpc.aio.ServicerContext
-    ) -> generation_pb2.ListModelsResponse:
+    def model_info(self) -> generation_pb2.ModelInfo:
         watcher = self.orchestrator.watcher
-        model = generation_pb2.ModelInfo(
+        return generation_pb2.ModelInfo(
             name=self.validator.model_name,
             max_model_len=self.validator.max_model_len,
             vocab_size=self.validator.vocab_size,
             num_prefill_workers=len(watcher.workers(WorkerRole.PREFILL)),
             num_decode_workers=len(watcher.workers(WorkerRole.DECODE)),
         )
-        return generation_pb2.ListModelsResponse(models=[model])
 
-    async def _stream(
-        self, request: ValidatedRequest, context: grpc.aio.ServicerContext
+    def admit(self, request: generation_pb2.GenerateRequest) -> ValidatedRequest:
+        """Validate (``InvalidRequest``) and check room (``Overloaded``), before any
+        answer is sent."""
+        validated = self.validator.validate(request)
+        if self.num_pending >= self.max_pending_requests:
+            raise Overloaded(
+                f"the router is at its limit of {self.max_pending_requests} requests in "
+                "flight; retry later"
+            )
+        return validated
+
+    async def stream(
+        self, request: ValidatedRequest, deadline: float | None
     ) -> AsyncIterator[generation_pb2.GenerateResponse]:
-        remaining = context.time_remaining()
-        deadline = None if remaining is None else time.monotonic() + remaining
+        """The answer to an admitted request; ``deadline``: a ``time.monotonic()`` instant."""
+        self.num_pending += 1
         trace = RequestTrace()
         text = TextStream(self.tokenizer, request.sampling)
         num_tokens = 0
@@ -105,10 +111,39 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
                     yield response
                     if finish is not None:
                         return
-        except NoWorkerAvailable as err:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, str(err))
         except grpc.aio.AioRpcError as err:
             code = err.code()
             if code is grpc.StatusCode.DEADLINE_EXCEEDED:
-                await context.abort(code, "the request's deadline passed before it finished")
-            await context.abort(code, f"worker error: {err.details()}")
+                raise WorkerError(code, "the request's deadline passed before it finished") from err
+            raise WorkerError(code, f"worker error: {err.details()}") from err
+        finally:
+            self.num_pending -= 1
+
+
+class GenerationService(generation_pb2_grpc.GenerationServicer):
+    def __init__(self, generator: Generator) -> None:
+        self.generator = generator
+
+    async def Generate(
+        self, request: generation_pb2.GenerateRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[generation_pb2.GenerateResponse]:
+        try:
+            validated = self.generator.admit(request)
+        except InvalidRequest as err:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
+        except Overloaded as err:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(err))
+        remaining = context.time_remaining()
+        deadline = None if remaining is None else time.monotonic() + remaining
+        try:
+            async for response in self.generator.stream(validated, deadline):
+                yield response
+        except NoWorkerAvailable as err:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(err))
+        except WorkerError as err:
+            await context.abort(err.code, str(err))
+
+    async def ListModels(
+        self, request: generation_pb2.ListModelsRequest, context: grpc.aio.ServicerContext
+    ) -> generation_pb2.ListModelsResponse:
+        return generation_pb2.ListModelsResponse(models=[self.generator.model_info()])

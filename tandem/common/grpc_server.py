@@ -13,6 +13,7 @@ Health answers two questions, as Kubernetes probes ask them:
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
@@ -86,6 +87,18 @@ class MalformedRequestInterceptor(grpc.aio.ServerInterceptor):
                 unary_unary, safe_deserialize, handler.response_serializer
             )
         stream = handler.unary_stream
+        if not inspect.isasyncgenfunction(stream):  # writes with context.write, or aborts
+
+            async def unary_stream_writer(
+                request: object, context: grpc.aio.ServicerContext
+            ) -> object:
+                if type(request) is _Malformed:
+                    await refuse(request, context)
+                return await stream(request, context)
+
+            return grpc.unary_stream_rpc_method_handler(
+                unary_stream_writer, safe_deserialize, handler.response_serializer
+            )
 
         async def unary_stream(
             request: object, context: grpc.aio.ServicerContext
