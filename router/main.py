@@ -61,6 +61,8 @@ class RouterOptions:
     """Mutual TLS to the workers (``None``: plaintext)."""
     health_port: int | None = None
     """A plaintext port answering gRPC health alone (for probes), when set."""
+    http_port: int | None = None
+    """Serve the OpenAI-compatible HTTP API here (0: a free port); ``None``: no HTTP."""
     rate_limit: RateLimit | None = None
     """Per-API-key request rate, shared through Redis (needs ``api_keys``)."""
     drain_timeout_s: float = 25.0
@@ -77,6 +79,7 @@ class RouterState:
     metrics: RouterMetrics
     port: int
     metrics_port: int | None
+    http_port: int | None = None
 
 
 async def run(
@@ -174,8 +177,28 @@ async def run(
         log.info("metrics at http://%s:%d/metrics", options.host, metrics_port)
     if server.health_port is not None:
         log.info("plaintext gRPC health (for probes) at %s:%d", options.host, server.health_port)
+    http = None
+    if options.http_port is not None:
+        from tandem.router.openai_api.app import make_app
+        from tandem.router.openai_api.server import HttpServer
+
+        app = make_app(generator, options.api_keys, limiter, lambda: server.ready)
+        drain_s = options.drain_timeout_s
+        http = HttpServer(app, options.host, options.http_port, options.tls, drain_s)
+        await http.start()
+        scheme = "http" if options.tls is None else "https"
+        log.info("OpenAI-compatible API at %s://%s:%d/v1", scheme, options.host, http.port)
     if started is not None:
-        started.set_result(RouterState(orchestrator, indexer, metrics, server.port, metrics_port))
+        started.set_result(
+            RouterState(
+                orchestrator,
+                indexer,
+                metrics,
+                server.port,
+                metrics_port,
+                None if http is None else http.port,
+            )
+        )
     print(f"READY router {options.host}:{server.port}", flush=True)
     try:
         await stop.wait()
@@ -183,7 +206,8 @@ async def run(
             arm_exit_watchdog(options.drain_timeout_s + SHUTDOWN_GRACE_S)
     finally:
         log.info("draining: up to %.0f s for the streams in flight", options.drain_timeout_s)
-        await server.stop(options.drain_timeout_s)
+        http_stopped = http.stop() if http is not None else asyncio.sleep(0)
+        await asyncio.gather(server.stop(options.drain_timeout_s), http_stopped)
         if metrics_server is not None:
             metrics_server.close()
             with contextlib.suppress(Exception):

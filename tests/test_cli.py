@@ -42,6 +42,7 @@ def test_every_flag_of_every_command_has_help_text() -> None:
         "decode-worker",
         "generate",
         "make-model",
+        "certs",
     }
     for name, parser in commands.items():
         for action in parser._actions:

@@ -98,6 +98,13 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     tls.add_argument("--ssl-certfile", type=Path, help="PEM certificate chain (default: off)")
     tls.add_argument("--ssl-keyfile", type=Path, help="PEM private key (default: off)")
     add_internal_tls_options(router, router=True)
+    router.add_argument(
+        "--http-port",
+        type=int,
+        help="also serve the OpenAI-compatible HTTP API (/v1/completions, "
+        "/v1/chat/completions, /v1/models) on this port, with the same keys and TLS "
+        "(default: off)",
+    )
     ready = router.add_argument_group(
         "readiness",
         "gRPC health (service '') is NOT_SERVING while fewer workers than these are "
@@ -252,6 +259,7 @@ def run(args: argparse.Namespace) -> int:
         tls=tls,
         internal_tls=mtls,
         health_port=args.health_port,
+        http_port=args.http_port,
         rate_limit=rate_limit,
         drain_timeout_s=args.drain_timeout,
     )

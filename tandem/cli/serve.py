@@ -36,6 +36,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     )
     serve.add_argument("--decode-workers", type=positive_int, default=1, help="decode workers")
     serve.add_argument("--port", type=int, default=50051, help="the router's gRPC port")
+    serve.add_argument(
+        "--http-port",
+        type=int,
+        help="also serve the OpenAI-compatible HTTP API on this port (default: off)",
+    )
     serve.add_argument("--host", default="127.0.0.1", help="address every process listens on")
     serve.add_argument("--redis-url", help="an existing Redis (default: start an embedded one)")
     serve.add_argument("--log-dir", type=Path, help="one log file per process (default: echo)")
@@ -123,7 +128,10 @@ def _run(args: argparse.Namespace) -> int:
         worker_args=(*(() if args.model else ("--dtype", "float32")), *args.worker_arg),
         prefill_args=tuple(args.prefill_worker_arg),
         decode_args=(*_speculative_args(args), *args.decode_worker_arg),
-        router_args=tuple(args.router_arg),
+        router_args=(
+            *(() if args.http_port is None else ("--http-port", str(args.http_port))),
+            *args.router_arg,
+        ),
         log_dir=args.log_dir,
         log_level=args.log_level,
         restart=not args.demo,
@@ -142,6 +150,9 @@ def _run(args: argparse.Namespace) -> int:
         print(
             f"tandem serving {cluster.model_name!r} at {cluster.router_address}; registry {redis}"
         )
+        if args.http_port is not None:
+            scheme = "https" if cluster.certs is not None else "http"
+            print(f"OpenAI-compatible API at {scheme}://{args.host}:{args.http_port}/v1")
         if cluster.certs is not None:
             print(f"TLS on; clients trust {cluster.certs.ca} (tandem generate --ssl-ca-certs)")
         if args.demo:

@@ -1,0 +1,478 @@
+"""The OpenAI-compatible HTTP API (``tandem router --http-port``): ``/v1/completions``,
+``/v1/chat/completions`` (with ``stream: true`` as server-sent events), ``/v1/models``
+and ``/health``, on Starlette through FastAPI, served by uvicorn in the router's own
+event loop. Every request takes the same path as a gRPC ``Generate``
+(``router.service.Generator``): validation, admission, routing, fail-over.
+
+Errors have OpenAI's shape, ``{"error": {"message", "type", "param", "code"}}``: 400 for
+a bad field (named in ``param``), 401 without a valid API key, 404 for an unknown model,
+429 over the admission limit or a key's rate limit (with ``Retry-After``), 503 when no
+worker can serve. A client that disconnects cancels its request on the workers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable, Sequence
+from typing import Any
+
+import grpc
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from tandem.common.wire import FINISH_REASON_FROM_PROTO
+from tandem.protos import common_pb2, generation_pb2
+from tandem.router.auth import ApiKeys
+from tandem.router.openai_api.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    Unsupported,
+)
+from tandem.router.orchestrator import NoWorkerAvailable
+from tandem.router.rate_limit import RateLimiter
+from tandem.router.service import Generator, Overloaded, WorkerError
+from tandem.router.validation import InvalidRequest, ValidatedRequest
+
+_DISCONNECT_POLL_S = 0.2
+
+
+class ApiError(Exception):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        kind: str,
+        param: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status, self.kind, self.param, self.headers = status, kind, param, headers
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(
+            {"error": {"message": str(self), "type": self.kind, "param": self.param, "code": None}},
+            status_code=self.status,
+            headers=self.headers,
+        )
+
+
+def _invalid(message: str, param: str | None = None) -> ApiError:
+    return ApiError(400, message, "invalid_request_error", param)
+
+
+def make_app(
+    generator: Generator,
+    api_keys: ApiKeys | None = None,
+    limiter: RateLimiter | None = None,
+    is_ready: Callable[[], bool] = lambda: True,
+) -> FastAPI:
+    app = FastAPI(title="Tandem", docs_url=None, redoc_url=None, openapi_url=None)
+    tokens = _TokenText(generator)
+
+    @app.exception_handler(ApiError)
+    async def api_error(request: Request, error: ApiError) -> JSONResponse:
+        return error.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def bad_body(request: Request, error: RequestValidationError) -> JSONResponse:
+        first = error.errors()[0] if error.errors() else {}
+        where = ".".join(str(p) for p in first.get("loc", ()) if p != "body")
+        return _invalid(
+            f"{where or 'body'}: {first.get('msg', 'invalid request')}", where
+        ).response()
+
+    async def authorize(request: Request) -> None:
+        if api_keys is None:
+            return
+        header = request.headers.get("authorization", "")
+        key = header[7:].strip() if header.lower().startswith("bearer ") else None
+        if not key:
+            raise ApiError(
+                401, "missing API key: send 'Authorization: Bearer <key>'", "authentication_error"
+            )
+        if not api_keys.allows(key):
+            raise ApiError(401, "invalid API key", "authentication_error")
+        if limiter is not None:
+            wait_ms = await limiter.take(key)
+            if wait_ms is not None:
+                raise ApiError(
+                    429,
+                    f"rate limit of {limiter.limit.rate:g} requests/s for this API key "
+                    f"reached; retry in {wait_ms} ms",
+                    "rate_limit_error",
+                    headers={"Retry-After": str(max(1, -(-wait_ms // 1000)))},
+                )
+
+    @app.get("/health")
+    async def health() -> Response:
+        return Response(status_code=200 if is_ready() else 503)
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> dict[str, Any]:
+        await authorize(request)
+        info = generator.model_info()
+        return {
+            "object": "list",
+            "data": [
+                {
+                    "id": info.name,
+                    "object": "model",
+                    "created": 0,
+                    "owned_by": "tandem",
+                    "max_model_len": info.max_model_len,
+                }
+            ],
+        }
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request) -> Response:
+        await authorize(request)
+        try:
+            batches = body.requests()
+        except Unsupported as err:
+            raise _invalid(str(err), err.param) from None
+        flat = [r for batch in batches for r in batch]
+        answer = _Answer(generator, tokens, "cmpl", body.model, chat=False, n=body.n)
+        admitted = answer.admit(flat)
+        if body.stream:
+            return await answer.stream(request, admitted, body.include_usage)
+        return await answer.whole(request, admitted)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+        await authorize(request)
+        try:
+            choices = body.requests()
+        except Unsupported as err:
+            raise _invalid(str(err), err.param) from None
+        answer = _Answer(generator, tokens, "chatcmpl", body.model, chat=True, n=body.n)
+        admitted = answer.admit(choices)
+        if body.stream:
+            return await answer.stream(request, admitted, body.include_usage)
+        return await answer.whole(request, admitted)
+
+    return app
+
+
+class _TokenText:
+    """Token strings for logprobs (each token decoded alone, special tokens kept)."""
+
+    def __init__(self, generator: Generator) -> None:
+        self._tokenizer = generator.tokenizer
+
+    def __call__(self, token_id: int) -> str:
+        return self._tokenizer.decode([token_id], skip_special_tokens=False)
+
+
+class _Choice:
+    """What one choice has produced so far."""
+
+    def __init__(self) -> None:
+        self.text: list[str] = []
+        self.logprobs: list[common_pb2.TokenLogprobs] = []
+        self.token_ids: list[int] = []
+        self.finish: str | None = None
+        self.usage: generation_pb2.Usage | None = None
+
+
+class _Answer:
+    """One OpenAI request: its choices' Tandem requests, answered whole or streamed."""
+
+    def __init__(
+        self,
+        generator: Generator,
+        tokens: _TokenText,
+        prefix: str,
+        model: str,
+        chat: bool,
+        n: int,
+    ) -> None:
+        self.n = n
+        self.generator = generator
+        self.tokens = tokens
+        self.chat = chat
+        self.id = f"{prefix}-{uuid.uuid4().hex}"
+        self.created = int(time.time())
+        self.requested_model = model
+        self.model = model or generator.validator.model_name
+        self.logprobs_wanted = False
+
+    def admit(self, requests: Sequence[generation_pb2.GenerateRequest]) -> list[ValidatedRequest]:
+        admitted = []
+        for request in requests:
+            request.request_id = f"{self.id}-{len(admitted)}"
+            request.model = self.requested_model
+            try:
+                admitted.append(self.generator.admit(request))
+            except InvalidRequest as err:
+                if err.field == "model":
+                    raise ApiError(
+                        404,
+                        f"the model {request.model!r} does not exist",
+                        "not_found_error",
+                        "model",
+                    ) from None
+                param = _PARAMS.get(err.field, err.field.removeprefix("sampling."))
+                raise _invalid(f"{param} {err.problem}", param) from None
+            except Overloaded as err:
+                raise ApiError(
+                    429, str(err), "rate_limit_error", headers={"Retry-After": "1"}
+                ) from None
+        self.logprobs_wanted = any(r.sampling.logprobs is not None for r in admitted)
+        return admitted
+
+    # --- whole answers -----------------------------------------------------------------
+
+    async def whole(self, request: Request, admitted: list[ValidatedRequest]) -> JSONResponse:
+        choices = [_Choice() for _ in admitted]
+        work = asyncio.ensure_future(
+            asyncio.gather(*(self._collect(r, c) for r, c in zip(admitted, choices, strict=True)))
+        )
+        try:
+            await _unless_disconnected(request, work)
+        except _Failure as failure:
+            raise failure.error from None
+        return JSONResponse(
+            {
+                "id": self.id,
+                "object": "chat.completion" if self.chat else "text_completion",
+                "created": self.created,
+                "model": self.model,
+                "choices": [self._whole_choice(i, c) for i, c in enumerate(choices)],
+                "usage": self._usage({i: c.usage for i, c in enumerate(choices)}),
+            }
+        )
+
+    async def _collect(self, request: ValidatedRequest, choice: _Choice) -> None:
+        async for response in _guarded(self.generator.stream(request, None)):
+            choice.text.append(response.text)
+            choice.token_ids += response.token_ids
+            choice.logprobs += response.logprobs
+            if response.finish_reason:
+                choice.finish = FINISH_REASON_FROM_PROTO[response.finish_reason]
+                choice.usage = response.usage
+
+    def _whole_choice(self, index: int, choice: _Choice) -> dict[str, Any]:
+        text = "".join(choice.text)
+        logprobs = (
+            self._logprobs(choice.token_ids, choice.logprobs) if self.logprobs_wanted else None
+        )
+        if self.chat:
+            return {
+                "index": index,
+                "message": {"role": "assistant", "content": text},
+                "logprobs": logprobs,
+                "finish_reason": choice.finish,
+            }
+        return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": choice.finish}
+
+    # --- streams -----------------------------------------------------------------------
+
+    async def stream(
+        self, request: Request, admitted: list[ValidatedRequest], include_usage: bool
+    ) -> Response:
+        """Server-sent events; the first event is awaited before answering, so a request
+        no worker can take gets its HTTP status rather than a broken stream."""
+        queue: asyncio.Queue[tuple[int, generation_pb2.GenerateResponse | _Failure | None]]
+        queue = asyncio.Queue()
+
+        async def pump(index: int, validated: ValidatedRequest) -> None:
+            try:
+                async for response in _guarded(self.generator.stream(validated, None)):
+                    await queue.put((index, response))
+            except _Failure as failure:
+                await queue.put((index, failure))
+            await queue.put((index, None))
+
+        tasks = [asyncio.ensure_future(pump(i, r)) for i, r in enumerate(admitted)]
+        first = await queue.get()
+        if isinstance(first[1], _Failure):
+            for task in tasks:
+                task.cancel()
+            raise first[1].error
+
+        async def events() -> AsyncIterator[str]:
+            open_streams, usages = len(tasks), {}
+            item: tuple[int, Any] | None = first
+            try:
+                if self.chat:
+                    for index in range(len(tasks)):
+                        yield self._event(index, {"role": "assistant", "content": ""}, None, None)
+                while open_streams:
+                    index, response = item if item is not None else await queue.get()
+                    item = None
+                    if response is None:
+                        open_streams -= 1
+                        continue
+                    if isinstance(response, _Failure):
+                        error = response.error
+                        yield _sse(
+                            {
+                                "error": {
+                                    "message": str(error),
+                                    "type": error.kind,
+                                    "param": error.param,
+                                    "code": None,
+                                }
+                            }
+                        )
+                        return
+                    finish = FINISH_REASON_FROM_PROTO[response.finish_reason]
+                    if finish is not None:
+                        usages[index] = response.usage
+                    logprobs = None
+                    if self.logprobs_wanted:
+                        logprobs = self._logprobs(list(response.token_ids), list(response.logprobs))
+                    content = {"content": response.text} if self.chat else response.text
+                    yield self._event(index, content, logprobs, finish)
+                if include_usage:
+                    yield _sse(
+                        {
+                            "id": self.id,
+                            "object": self._chunk_object,
+                            "created": self.created,
+                            "model": self.model,
+                            "choices": [],
+                            "usage": self._usage(usages),
+                        }
+                    )
+                yield "data: [DONE]\n\n"
+            finally:
+                for task in tasks:
+                    task.cancel()
+
+        return StreamingResponse(events(), media_type="text/event-stream")
+
+    def _usage(self, usages: dict[int, generation_pb2.Usage | None]) -> dict[str, Any]:
+        return _usage(usages, self.n)
+
+    @property
+    def _chunk_object(self) -> str:
+        return "chat.completion.chunk" if self.chat else "text_completion"
+
+    def _event(self, index: int, content: Any, logprobs: Any, finish: str | None) -> str:
+        key = "delta" if self.chat else "text"
+        choice = {"index": index, key: content, "logprobs": logprobs, "finish_reason": finish}
+        return _sse(
+            {
+                "id": self.id,
+                "object": self._chunk_object,
+                "created": self.created,
+                "model": self.model,
+                "choices": [choice],
+            }
+        )
+
+    # --- logprobs ----------------------------------------------------------------------
+
+    def _logprobs(
+        self, token_ids: Sequence[int], logprobs: Sequence[common_pb2.TokenLogprobs]
+    ) -> dict[str, Any]:
+        pairs = list(zip(token_ids, logprobs, strict=False))
+        if self.chat:
+            return {
+                "content": [
+                    {
+                        "token": self.tokens(t),
+                        "logprob": lp.logprob,
+                        "bytes": list(self.tokens(t).encode()),
+                        "top_logprobs": [
+                            {
+                                "token": self.tokens(x.token_id),
+                                "logprob": x.logprob,
+                                "bytes": list(self.tokens(x.token_id).encode()),
+                            }
+                            for x in lp.top
+                        ],
+                    }
+                    for t, lp in pairs
+                ]
+            }
+        offsets, position = [], 0
+        for t, _ in pairs:
+            offsets.append(position)
+            position += len(self.tokens(t))
+        return {
+            "tokens": [self.tokens(t) for t, _ in pairs],
+            "token_logprobs": [lp.logprob for _, lp in pairs],
+            "top_logprobs": [
+                {self.tokens(x.token_id): x.logprob for x in lp.top} for _, lp in pairs
+            ],
+            "text_offset": offsets,
+        }
+
+
+class _Failure(Exception):
+    def __init__(self, error: ApiError) -> None:
+        super().__init__(str(error))
+        self.error = error
+
+
+async def _guarded(
+    stream: AsyncIterator[generation_pb2.GenerateResponse],
+) -> AsyncIterator[generation_pb2.GenerateResponse]:
+    """The stream, its failures turned into the HTTP errors they answer as."""
+    try:
+        async with contextlib.aclosing(stream):
+            async for response in stream:
+                yield response
+    except NoWorkerAvailable as err:
+        raise _Failure(ApiError(503, str(err), "service_unavailable")) from None
+    except WorkerError as err:
+        status, kind = _WORKER_STATUS.get(err.code, (502, "worker_error"))
+        raise _Failure(ApiError(status, str(err), kind)) from None
+
+
+async def _unless_disconnected(request: Request, work: asyncio.Future[Any]) -> Any:
+    """``work``'s result; cancelled (and so cancelled on the workers) if the client goes."""
+
+    async def watch() -> None:
+        while not await request.is_disconnected():
+            await asyncio.sleep(_DISCONNECT_POLL_S)
+
+    watcher = asyncio.ensure_future(watch())
+    try:
+        await asyncio.wait({work, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+    if not work.done():
+        work.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await work
+        raise ApiError(499, "the client closed the request", "client_closed")
+    return work.result()
+
+
+_WORKER_STATUS = {
+    grpc.StatusCode.INVALID_ARGUMENT: (400, "invalid_request_error"),
+    grpc.StatusCode.RESOURCE_EXHAUSTED: (429, "rate_limit_error"),
+    grpc.StatusCode.UNAVAILABLE: (503, "service_unavailable"),
+    grpc.StatusCode.DEADLINE_EXCEEDED: (504, "timeout"),
+}
+"""HTTP answers to a worker's own refusal (what no other worker would make good)."""
+
+_PARAMS = {"prompt": "prompt", "token_ids": "prompt", "chat": "messages"}
+"""The OpenAI parameter a validator field stands for, where the names differ."""
+
+
+def _usage(usages: dict[int, generation_pb2.Usage | None], n: int) -> dict[str, Any]:
+    """Prompt tokens count once per prompt (not per choice), as OpenAI counts them."""
+    firsts = [u for i, u in usages.items() if u is not None and i % n == 0]
+    prompt = sum(u.prompt_tokens for u in firsts)
+    cached = sum(u.cached_prompt_tokens for u in firsts)
+    completion = sum(u.completion_tokens for u in usages.values() if u is not None)
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": cached},
+    }
+
+
+def _sse(payload: dict[str, Any]) -> str:
+    return f"data: {json.dumps(payload, separators=(',', ':'))}\n\n"
