@@ -331,23 +331,38 @@ def test_bad_entries_are_reported_once_and_do_not_stop_the_watcher(
 
 
 def test_watcher_and_worker_ride_out_a_redis_restart() -> None:
+    """Redis restarts empty: the worker that heartbeats re-registers and never leaves the
+    router's view; one that does not (dead meanwhile) leaves once the grace is over."""
+
     async def scenario(server: EmbeddedRedis) -> None:
         url = server.url
+        left: list[str] = []
         async with (
-            RegistryWatcher(url, MODEL, poll_interval_s=FAST_POLL_S) as watcher,
+            RegistryWatcher(
+                url,
+                MODEL,
+                poll_interval_s=FAST_POLL_S,
+                data_loss_grace_s=2.0,
+                on_leave=lambda r: left.append(r.info.worker_id),
+            ) as watcher,
             WorkerRegistration(url, ttl_s=1.0) as worker,
+            WorkerRegistration(url, ttl_s=30.0) as silent,
         ):
             await worker.register(make_info("p1"))
+            await silent.register(make_info("p2"))
             beating = asyncio.create_task(
                 worker.run_heartbeats(lambda: WorkerLoad(5, 0, 0, 0), interval_s=0.2)
             )
-            await wait_until(lambda: watcher.get("p1") is not None)
+            await wait_until(lambda: watcher.get("p1") is not None and watcher.get("p2"))
             server.stop()
             await asyncio.sleep(1.0)
             assert watcher.get("p1") is not None  # last snapshot kept while Redis is down
             server.start()  # same port, empty data: the heartbeat must re-create the entry
-            await wait_until(lambda: watcher.get("p1") is not None, timeout_s=10.0)
-            await wait_until(lambda: watcher.get("p1").load.free_kv_blocks == 5)
+            restarted = time.monotonic()
+            await wait_until(lambda: watcher.get("p1").load.free_kv_blocks == 5, timeout_s=10)
+            gone = await wait_until(lambda: watcher.get("p2") is None, timeout_s=10.0)
+            assert time.monotonic() - restarted >= 1.5  # not at the first empty read
+            assert gone < 10 and left == ["p2"]  # p1 never left
             assert not beating.done()
             beating.cancel()
 

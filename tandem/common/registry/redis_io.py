@@ -49,6 +49,11 @@ class RegistryKeys:
     def worker(self, worker_id: str) -> str:
         return f"{self.prefix}{self.model}:worker:{worker_id}"
 
+    @property
+    def sentinel(self) -> str:
+        """Set by watchers and never expired: gone means Redis lost its data."""
+        return f"{self.prefix}{self.model}:sentinel"
+
 
 def encode_notice(event: RegistryEvent, worker_id: str) -> str:
     """The message published on the events channel."""

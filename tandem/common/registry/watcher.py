@@ -22,6 +22,9 @@ from tandem.common.registry.redis_io import (
 )
 
 DEFAULT_POLL_INTERVAL_S = 0.5
+DEFAULT_DATA_LOSS_GRACE_S = 5.0
+"""After Redis lost its data (a restart without persistence, a flush), how long the
+last snapshot is kept while workers re-register: a heartbeat and a TTL, with slack."""
 
 # How long start() waits for the notice subscription before returning anyway.
 _SUBSCRIBE_WAIT_S = 2.0
@@ -39,7 +42,10 @@ class RegistryWatcher:
     ``deregister`` and at most TTL + ``poll_interval_s`` (+ one Redis round trip) after
     its last heartbeat. On Redis errors the last snapshot is kept and reading is retried.
     Entries that cannot be decoded are left out, logged once per distinct error and
-    listed in ``invalid_entries``.
+    listed in ``invalid_entries``. If Redis comes back empty (restarted without
+    persistence, flushed; told by a sentinel key going missing), the workers last seen
+    stay for ``data_loss_grace_s`` while they re-register with their next heartbeat,
+    rather than all leaving at once.
 
     ``on_join(record)`` runs when a worker appears and ``on_leave(record)`` (with its
     last known record) when it disappears; a worker whose ``WorkerInfo`` changed (for
@@ -57,8 +63,12 @@ class RegistryWatcher:
         poll_interval_s: float = DEFAULT_POLL_INTERVAL_S,
         on_join: WorkerCallback | None = None,
         on_leave: WorkerCallback | None = None,
+        data_loss_grace_s: float = DEFAULT_DATA_LOSS_GRACE_S,
     ):
         self._client = connect(redis_url)
+        self._data_loss_grace_s = data_loss_grace_s
+        self._kept_until = 0.0
+        self._sentinel_seen = False
         self._keys = RegistryKeys(model, prefix)
         self._poll_interval_s = poll_interval_s
         self._on_join = on_join
@@ -152,7 +162,20 @@ class RegistryWatcher:
 
     async def _refresh(self) -> None:
         """Re-read every indexed entry, swap the snapshot, then prune expired ids."""
-        raw_ids = await self._client.smembers(self._keys.index)
+        async with self._client.pipeline(transaction=False) as pipe:
+            pipe.smembers(self._keys.index)
+            pipe.set(self._keys.sentinel, b"1", nx=True)
+            raw_ids, created = await pipe.execute()
+        now = asyncio.get_running_loop().time()
+        if created and self._sentinel_seen and self._workers:
+            self._kept_until = now + self._data_loss_grace_s
+            _log.warning(
+                "the registry in Redis is empty (Redis restarted or was flushed): keeping "
+                "the %d workers last seen for %.0f s while they re-register",
+                len(self._workers),
+                self._data_loss_grace_s,
+            )
+        self._sentinel_seen = True
         ids = sorted(raw.decode("utf-8", "backslashreplace") for raw in raw_ids)
         raws = await self._client.mget([self._keys.worker(i) for i in ids]) if ids else []
         entries = dict(zip(ids, raws, strict=True))
@@ -166,6 +189,8 @@ class RegistryWatcher:
             except RegistryDecodeError as err:
                 invalid[worker_id] = err
         self._report_invalid(invalid)
+        if now < self._kept_until:
+            live = {**self._workers, **live}
         self._apply(live)
         expired = [worker_id for worker_id, raw in entries.items() if raw is None]
         if expired:
