@@ -96,5 +96,5 @@ def test_a_router_serving_tls_answers_only_clients_that_trust_it(
 
 
 def test_unreadable_tls_files_are_named(tmp_path: Path) -> None:
-    with pytest.raises(ValueError, match="cannot read TLS (key|certificate)"):
+    with pytest.raises(ValueError, match=r"cannot read TLS (key|certificate)"):
         TLSFiles(tmp_path / "missing.crt", tmp_path / "missing.key").server_credentials()
