@@ -129,32 +129,30 @@ def make_app(
             ],
         }
 
-    @app.post("/v1/completions")
-    async def completions(body: CompletionRequest, request: Request) -> Response:
-        await authorize(request)
-        try:
-            batches = body.requests()
-        except Unsupported as err:
-            raise _invalid(str(err), err.param) from None
-        flat = [r for batch in batches for r in batch]
-        answer = _Answer(generator, tokens, "cmpl", body.model, chat=False, n=body.n)
-        admitted = answer.admit(flat)
-        if body.stream:
-            return await answer.stream(request, admitted, body.include_usage)
-        return await answer.whole(request, admitted)
-
-    @app.post("/v1/chat/completions")
-    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+    async def answer(
+        request: Request, body: CompletionRequest | ChatCompletionRequest, chat: bool
+    ) -> Response:
         await authorize(request)
         try:
             choices = body.requests()
         except Unsupported as err:
             raise _invalid(str(err), err.param) from None
-        answer = _Answer(generator, tokens, "chatcmpl", body.model, chat=True, n=body.n)
+        if not chat:  # one list of choices per prompt of the batch
+            choices = [c for per_prompt in choices for c in per_prompt]
+        prefix = "chatcmpl" if chat else "cmpl"
+        answer = _Answer(generator, tokens, prefix, body.model, chat=chat, n=body.n)
         admitted = answer.admit(choices)
         if body.stream:
             return await answer.stream(request, admitted, body.include_usage)
         return await answer.whole(request, admitted)
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request) -> Response:
+        return await answer(request, body, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+        return await answer(request, body, chat=True)
 
     return app
 
