@@ -26,7 +26,6 @@ import socket
 import sys
 import tempfile
 import time
-import urllib.request
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -35,6 +34,7 @@ from tandem.bench.machine_load import OtherLoad, processes_cpu_s, wait_for_quiet
 from tandem.bench.prefix_workloads import SegmentTokens, Shape, WorkloadSpec, generate
 from tandem.bench.workloads import IntRange, TokenPool
 from tandem.common.client import AsyncGenerationClient
+from tandem.common.metrics import Scrape
 
 
 @dataclasses.dataclass(frozen=True)
@@ -95,8 +95,8 @@ def run_policy(args, model_dir: Path, name: str, policy: str, planned) -> Policy
         other = meter.cores(processes_cpu_s(pids) - cluster_cpu)
         metrics = _scrape(metrics_port)
     report = summarize(results, duration, Slo())
-    prompt = metrics.get("tandem_router_prompt_tokens_total", 0)
-    cached = metrics.get("tandem_router_cached_prompt_tokens_total", 0)
+    prompt = metrics.value("router_prompt_tokens_total")
+    cached = metrics.value("router_cached_prompt_tokens_total")
     return PolicyRun(
         name, policy, report, cached / prompt if prompt else 0.0, int(prompt - cached), other
     )
@@ -108,14 +108,8 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _scrape(port: int) -> dict[str, float]:
-    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
-    out = {}
-    for line in text.splitlines():
-        if line and not line.startswith("#") and "{" not in line:
-            name, _, value = line.partition(" ")
-            out[name] = float(value)
-    return out
+def _scrape(port: int) -> Scrape:
+    return Scrape.of(f"http://127.0.0.1:{port}/metrics")
 
 
 def main(argv: Sequence[str] | None = None) -> int:

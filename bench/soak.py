@@ -39,7 +39,6 @@ import signal
 import sys
 import tempfile
 import time
-import urllib.request
 import uuid
 from collections import Counter
 from collections.abc import Sequence
@@ -50,6 +49,7 @@ import grpc
 
 from tandem.cli.launcher import ClusterSpec, LocalCluster
 from tandem.common.client import AsyncGenerationClient, build_request
+from tandem.common.metrics import Scrape
 from tandem.common.redis_server import EmbeddedRedis
 from tandem.protos import common_pb2, worker_pb2, worker_pb2_grpc
 
@@ -344,15 +344,8 @@ def rss_mb(pids: dict[str, int]) -> dict[str, float]:
     return out
 
 
-def router_counters(port: int) -> dict[str, float]:
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as answer:
-        text = answer.read().decode()
-    counters = {}
-    for line in text.splitlines():
-        if line.startswith("tandem_router_") and "{" not in line:
-            name, _, value = line.partition(" ")
-            counters[name] = float(value)
-    return counters
+def router_counters(port: int) -> Scrape:
+    return Scrape.of(f"http://127.0.0.1:{port}/metrics")
 
 
 def run(config: SoakConfig) -> SoakReport:
@@ -443,9 +436,9 @@ def run(config: SoakConfig) -> SoakReport:
             leaked_leases=leases,
             faults=dict(soak.faults),
             restarts=cluster.num_restarts,
-            migrations=int(counters.get("tandem_router_decode_migrations_total", 0)),
-            stalls=int(counters.get("tandem_router_decode_stalls_total", 0)),
-            prefill_retries=int(counters.get("tandem_router_prefill_retries_total", 0)),
+            migrations=int(counters.value("router_decode_migrations_total")),
+            stalls=int(counters.value("router_decode_stalls_total")),
+            prefill_retries=int(counters.value("router_prefill_retries_total")),
             kv_fallbacks_seen=fallbacks,
             tokens_generated=soak.tokens,
             memory_growth_mb=growth,

@@ -9,10 +9,12 @@ from tandem.common.kv_events.publisher import KVEventPublisher
 from tandem.common.registry import WorkerCapacity, WorkerInfo, WorkerRole
 from tandem.common.worker_host import WorkerOptions, host_worker
 from tandem.common.worker_load import BusyMeter, worker_load
+from tandem.common.worker_metrics import WorkerMetrics, transfer_received
 from tandem.decode_worker.service import DecodeService
 from tandem.engine.async_engine import AsyncEngine
 from tandem.engine.config import EngineConfig
 from tandem.engine.llm_engine import LLMEngine
+from tandem.kvtransfer.errors import PullFailure
 from tandem.kvtransfer.layout import KVLayout
 from tandem.kvtransfer.receiver import KVReceiver
 from tandem.protos import worker_pb2, worker_pb2_grpc
@@ -29,8 +31,16 @@ async def run(options: WorkerOptions, stop: asyncio.Event | None = None) -> None
     layout = KVLayout(model=options.model_name, **dataclasses.asdict(engine.runner.layout))
     receiver = KVReceiver(layout, options.worker_id, engine.runtime.device, options.tls)
     async_engine = AsyncEngine(engine)
+    metrics = WorkerMetrics(options.model_name, "decode", lambda: async_engine.load)
+
+    def received():
+        stats = receiver.stats
+        failures = {r.value: stats.failures.get(r, 0) for r in PullFailure}  # every reason, 0s too
+        return transfer_received(stats.pulls, stats.blocks, stats.bytes, failures)
+
+    metrics.report(received)
     service = DecodeService(
-        async_engine, receiver, options.worker_id, options.kv_pull_timeout_s, kv_events
+        async_engine, receiver, options.worker_id, options.kv_pull_timeout_s, metrics, kv_events
     )
     async_engine.on_kv_pull = service.pull
     async_engine.start()
@@ -53,6 +63,7 @@ async def run(options: WorkerOptions, stop: asyncio.Event | None = None) -> None
             lambda: worker_load(async_engine.load, busy),
             stop,
             engine_stalled_s=lambda: async_engine.stalled_for_s,
+            metrics=metrics,
         )
     finally:
         await receiver.close()

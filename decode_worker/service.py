@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
@@ -21,8 +22,10 @@ import grpc
 from tandem.common.faults import fault_at
 from tandem.common.kv_events.publisher import KVEventPublisher
 from tandem.common.kv_events.wire import snapshot_to_proto
+from tandem.common.metrics import RequestTimer
 from tandem.common.wire import FINISH_REASON_TO_PROTO, logprobs_to_proto, sampling_from_proto
 from tandem.common.worker_load import worker_status
+from tandem.common.worker_metrics import WorkerMetrics
 from tandem.engine.async_engine import AsyncEngine
 from tandem.engine.request import PrefillMode
 from tandem.engine.scheduler import KVPull
@@ -50,11 +53,13 @@ class DecodeService(worker_pb2_grpc.DecodeWorkerServicer):
         receiver: KVReceiver,
         worker_id: str,
         pull_timeout_s: float,
+        metrics: WorkerMetrics,
         kv_events: KVEventPublisher | None = None,
     ) -> None:
         """``kv_events``: the publisher of this worker's prefix-cache events, whose
         numbering ``ListCachedBlocks`` snapshots are stamped with."""
         self.engine = engine
+        self.metrics = metrics
         self.kv_events = kv_events
         self.receiver = receiver
         self.worker_id = worker_id
@@ -90,9 +95,13 @@ class DecodeService(worker_pb2_grpc.DecodeWorkerServicer):
             prefill_mode=PrefillMode.REMOTE if remote else PrefillMode.LOCAL,
         )
         first = True
+        finished = None
+        timer = RequestTimer(self.metrics.requests, len(request.prompt_token_ids), time.monotonic)
         try:
             async with contextlib.aclosing(stream):
                 async for delta in stream:
+                    timer.tokens(len(delta.new_token_ids))
+                    finished = delta.finish_reason
                     response = worker_pb2.DecodeResponse(
                         token_ids=delta.new_token_ids,
                         logprobs=logprobs_to_proto(delta.new_logprobs),
@@ -100,6 +109,11 @@ class DecodeService(worker_pb2_grpc.DecodeWorkerServicer):
                     )
                     if first:
                         self._describe_kv(response, rid, delta.num_cached_tokens)
+                        self.metrics.queue_time.observe(delta.queued_s)
+                        if not remote:
+                            self.metrics.observe_prefix(
+                                len(request.prompt_token_ids), delta.num_cached_tokens
+                            )
                         first = False
                     if self._fault is not None and self._fault.fire() and self._dropping:
                         return  # fault point decode.stream, drop: end without a finish
@@ -107,6 +121,7 @@ class DecodeService(worker_pb2_grpc.DecodeWorkerServicer):
         except ValueError as err:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
         finally:
+            timer.end(finished)
             self._forget(rid)
 
     async def Abort(
@@ -152,14 +167,17 @@ class DecodeService(worker_pb2_grpc.DecodeWorkerServicer):
         try:
             packed = None
             if indices:
+                start = time.monotonic()
                 packed = await self.receiver.pull(
                     handle.kv_endpoint, handle.lease_id, indices, self.pull_timeout_s
                 )
+                self.metrics.kv_pull_seconds.observe(time.monotonic() - start)
         except KVPullFailed as err:
             log.warning(
                 "KV pull for %s failed, prefilling locally: %s", order.request.request_id, err
             )
             self.num_fallbacks += 1
+            self.metrics.kv_fallbacks.inc()
             pending.source = worker_pb2.KV_SOURCE_FALLBACK
             return None
         finally:

@@ -265,6 +265,7 @@ class LLMEngine:
             logprobs,
             prefilled=update.handed_off,
             num_cached_tokens=request.num_cached_tokens,
+            queued_s=(request.admitted_time or request.arrival_time) - request.arrival_time,
         )
 
     # --- introspection -----------------------------------------------------------------

@@ -28,6 +28,8 @@ class RequestDelta:
     decode worker (release it with ``LLMEngine.release_prefilled``)."""
     num_cached_tokens: int = 0
     """Prompt tokens this engine did not compute (prefix cache hits, pulled KV)."""
+    queued_s: float = 0.0
+    """Arrival to first admission: the request's time in this engine's queue."""
 
     @property
     def finished(self) -> bool:

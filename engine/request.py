@@ -62,6 +62,8 @@ class Request:
     prefill_mode: PrefillMode = PrefillMode.LOCAL
     output_token_ids: list[int] = field(default_factory=list)
     arrival_time: float = field(default_factory=time.monotonic)
+    admitted_time: float | None = None
+    """When the scheduler first gave it KV blocks (the end of its queue time)."""
     all_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0

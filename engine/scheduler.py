@@ -30,6 +30,7 @@ Torch-free: the scheduler decides; the model runner executes.
 from __future__ import annotations
 
 import bisect
+import time
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
@@ -327,6 +328,7 @@ class Scheduler:
             if not self.kv.allocate(request, num_new, prefix):
                 break
             self.waiting.pop(0)
+            _note_admission(request)
             request.num_computed_tokens = request.num_cached_tokens = prefix.num_tokens
             request.status = RequestStatus.RUNNING
             bisect.insort(self.running, request, key=_order)
@@ -343,12 +345,18 @@ class Scheduler:
         if not self.kv.allocate(request, request.num_prompt_tokens - prefix.num_tokens, prefix):
             return False
         self.waiting.pop(0)
+        _note_admission(request)
         request.num_computed_tokens = request.num_cached_tokens = prefix.num_tokens
         request.status = RequestStatus.WAITING_FOR_KV
         self.waiting_for_kv[request.request_id] = request
         first = len(prefix.blocks)
         pulls.append(KVPull(request, tuple(self.kv.block_ids(request)[first:]), first))
         return True
+
+
+def _note_admission(request: Request) -> None:
+    if request.admitted_time is None:  # a preempted request's queue time was counted
+        request.admitted_time = time.monotonic()
 
 
 def _order(request: Request) -> tuple[int, float]:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import time
 from collections.abc import Callable, Sequence
 
 import grpc
@@ -35,6 +36,7 @@ class KVTransferServicer(kv_transfer_pb2_grpc.KVTransferServicer):
     seen here: the prefill worker sweeps ``LeaseTable.expired`` itself.
 
     ``max_send_s`` caps how long a send may wait; a shorter RPC deadline wins.
+    ``on_sent(blocks, nbytes, seconds)`` is told of each send that finished.
     """
 
     def __init__(
@@ -44,7 +46,9 @@ class KVTransferServicer(kv_transfer_pb2_grpc.KVTransferServicer):
         on_release: Callable[[EndedLease], None],
         *,
         max_send_s: float = 60.0,
+        on_sent: Callable[[int, int, float], None] | None = None,
     ) -> None:
+        self._on_sent = on_sent
         self._sender = sender
         self._leases = leases
         self._on_release = on_release
@@ -99,10 +103,13 @@ class KVTransferServicer(kv_transfer_pb2_grpc.KVTransferServicer):
             self._send_timeout(context),
         )
         sending = asyncio.to_thread(self._send_pinned, lease_id, send, asyncio.get_running_loop())
+        start = time.monotonic()
         try:  # shielded: a cancelled RPC must not stop the thread before it unpins
             sent = await asyncio.shield(sending)
         except (UnknownPair, PairBroken) as error:
             await context.abort(_status_of(error), str(error))
+        if self._on_sent is not None:
+            self._on_sent(len(block_ids), sent.nbytes, time.monotonic() - start)
         return kv_transfer_pb2.PullBlocksResponse(bytes_sent=sent.nbytes, checksum=sent.checksum)
 
     async def RenewLease(

@@ -6,9 +6,11 @@ import asyncio
 import dataclasses
 
 from tandem.common.kv_events.publisher import KVEventPublisher
+from tandem.common.metrics import Sample
 from tandem.common.registry import WorkerCapacity, WorkerInfo, WorkerRole
 from tandem.common.worker_host import WorkerOptions, host_worker
 from tandem.common.worker_load import BusyMeter, worker_load
+from tandem.common.worker_metrics import WorkerMetrics
 from tandem.engine.async_engine import AsyncEngine
 from tandem.engine.config import EngineConfig
 from tandem.engine.llm_engine import LLMEngine
@@ -39,10 +41,22 @@ async def run(options: WorkerOptions, stop: asyncio.Event | None = None) -> None
         options.worker_id,
     )
     leases = LeaseTable()
-    service = PrefillService(
-        async_engine, leases, sender, options.worker_id, options.lease_ttl_s, kv_events
+    metrics = WorkerMetrics(options.model_name, "prefill", lambda: async_engine.load)
+    metrics.report(
+        lambda: iter(
+            [Sample("kv_leases_active", "gauge", "prefilled KV held for a pull", len(leases))]
+        )
     )
-    kv_service = KVTransferServicer(sender, leases, service.lease_ended)
+    service = PrefillService(
+        async_engine, leases, sender, options.worker_id, options.lease_ttl_s, metrics, kv_events
+    )
+
+    def sent(blocks: int, nbytes: int, seconds: float) -> None:
+        metrics.kv_sent_blocks.inc(blocks)
+        metrics.kv_sent_bytes.inc(nbytes)
+        metrics.kv_send_seconds.observe(seconds)
+
+    kv_service = KVTransferServicer(sender, leases, service.lease_ended, on_sent=sent)
     capacity = WorkerCapacity(
         engine.num_kv_blocks, engine.runtime.block_size, engine.config.max_num_seqs
     )
@@ -70,6 +84,7 @@ async def run(options: WorkerOptions, stop: asyncio.Event | None = None) -> None
             lambda: worker_load(async_engine.load, busy),
             stop,
             engine_stalled_s=lambda: async_engine.stalled_for_s,
+            metrics=metrics,
         )
     finally:
         sweeper.cancel()

@@ -12,14 +12,17 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 
 import grpc
 
 from tandem.common.kv_events.publisher import KVEventPublisher
 from tandem.common.kv_events.wire import snapshot_to_proto
+from tandem.common.metrics import RequestTimer
 from tandem.common.sampling_params import SamplingParams
 from tandem.common.wire import FINISH_REASON_TO_PROTO, logprobs_to_proto, sampling_from_proto
 from tandem.common.worker_load import worker_status
+from tandem.common.worker_metrics import WorkerMetrics
 from tandem.engine.async_engine import AsyncEngine
 from tandem.engine.outputs import RequestDelta
 from tandem.engine.request import PrefillMode
@@ -40,11 +43,13 @@ class PrefillService(worker_pb2_grpc.PrefillWorkerServicer):
         sender: KVSender,
         worker_id: str,
         lease_ttl_s: float,
+        metrics: WorkerMetrics,
         kv_events: KVEventPublisher | None = None,
     ) -> None:
         """``kv_events``: the publisher of this worker's prefix-cache events, whose
         numbering ``ListCachedBlocks`` snapshots are stamped with."""
         self.engine = engine
+        self.metrics = metrics
         self.kv_events = kv_events
         self.leases = leases
         self.sender = sender
@@ -60,11 +65,17 @@ class PrefillService(worker_pb2_grpc.PrefillWorkerServicer):
         self, request: worker_pb2.PrefillRequest, context: grpc.aio.ServicerContext
     ) -> worker_pb2.PrefillResponse:
         self.num_requests += 1
+        num_prompt = len(request.prompt_token_ids)
+        timer = RequestTimer(self.metrics.requests, num_prompt, time.monotonic)
         try:
             params = sampling_from_proto(request.sampling)
             delta = await self._first_delta(request, params)
         except ValueError as err:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
+        timer.tokens(len(delta.new_token_ids))
+        timer.end(delta.finish_reason or "prefilled")
+        self.metrics.queue_time.observe(delta.queued_s)
+        self.metrics.observe_prefix(num_prompt, delta.num_cached_tokens)
         response = worker_pb2.PrefillResponse(
             first_token_id=delta.new_token_ids[0],
             finish_reason=FINISH_REASON_TO_PROTO[delta.finish_reason],
@@ -119,6 +130,7 @@ class PrefillService(worker_pb2_grpc.PrefillWorkerServicer):
             await asyncio.sleep(LEASE_SWEEP_INTERVAL_S)
             for lease in self.leases.expired():
                 log.warning("lease of %s expired unpulled", lease.request_id)
+                self.metrics.leases_expired.inc()
                 self.lease_ended(lease)
 
     async def _first_delta(

@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from dataclasses import dataclass
 
 from tandem.common.grpc_server import start_server
-from tandem.common.metrics_text import serve_metrics
+from tandem.common.metrics import MetricsServer
 from tandem.common.process import SHUTDOWN_GRACE_S, arm_exit_watchdog, stop_on_signals
 from tandem.common.registry import RegistryWatcher, WorkerRecord, WorkerRole
 from tandem.common.tls import InternalTLS, TLSFiles
@@ -18,7 +17,7 @@ from tandem.router.auth import ApiKeyInterceptor, ApiKeys
 from tandem.router.clients import WorkerClients
 from tandem.router.kv_index.consumer import KVEventConsumer, grpc_snapshot_fetcher
 from tandem.router.kv_index.indexer import KVIndexer
-from tandem.router.metrics import RouterMetrics, render_metrics
+from tandem.router.metrics import RouterMetrics
 from tandem.router.orchestrator import Orchestrator, OrchestratorConfig
 from tandem.router.rate_limit import RateLimit, RateLimiter
 from tandem.router.readiness import ReadinessRule, ReadinessTracker
@@ -91,7 +90,7 @@ async def run(
     whole_process = stop is None  # run by a command, not embedded in another program
     stop = stop or stop_on_signals()
     clients = WorkerClients(options.internal_tls)
-    metrics = RouterMetrics()
+    metrics = RouterMetrics(options.model_name)
     inflight = InflightLoad()
     prefill_policy = make_policy(options.prefill_policy, WorkerRole.PREFILL, options.prefill_cost)
     decode_policy = make_policy(options.decode_policy, WorkerRole.DECODE, options.decode_cost)
@@ -149,7 +148,11 @@ async def run(
         options.model_dir, options.model_name, options.max_model_len
     )
     generator = Generator(
-        validator, Tokenizer.from_dir(options.model_dir), orchestrator, options.max_pending_requests
+        validator,
+        Tokenizer.from_dir(options.model_dir),
+        orchestrator,
+        options.max_pending_requests,
+        metrics,
     )
     service = GenerationService(generator)
     server = await start_server(
@@ -165,15 +168,12 @@ async def run(
         health_port=options.health_port,
     )
     await readiness.attach(server.set_serving)
+    metrics.watch(watcher, indexer, inflight)
     metrics_server = None
     metrics_port = None
     if options.metrics_port is not None:
-        metrics_server = await serve_metrics(
-            options.host,
-            options.metrics_port,
-            lambda: render_metrics(metrics, watcher, indexer, inflight),
-        )
-        metrics_port = metrics_server.sockets[0].getsockname()[1]
+        metrics_server = MetricsServer(metrics.registry, options.host, options.metrics_port)
+        metrics_port = metrics_server.port
         log.info("metrics at http://%s:%d/metrics", options.host, metrics_port)
     if server.health_port is not None:
         log.info("plaintext gRPC health (for probes) at %s:%d", options.host, server.health_port)
@@ -209,9 +209,7 @@ async def run(
         http_stopped = http.stop() if http is not None else asyncio.sleep(0)
         await asyncio.gather(server.stop(options.drain_timeout_s), http_stopped)
         if metrics_server is not None:
-            metrics_server.close()
-            with contextlib.suppress(Exception):
-                await metrics_server.wait_closed()
+            await asyncio.to_thread(metrics_server.close)
         await watcher.stop()
         if limiter is not None:
             await limiter.aclose()

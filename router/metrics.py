@@ -1,20 +1,29 @@
-"""The router's numbers: prefix hits, prefill work, decision time, the KV index and its
-event stream, per-worker load.
+"""The router's numbers, as Prometheus families (``tandem.common.metrics``).
 
-``RouterMetrics`` holds the counters the request path and the event consumer update
-(plain attributes, read directly by tests and benchmarks); ``render_metrics`` turns
-them plus live gauges into Prometheus text for ``GET /metrics`` on ``--metrics-port``.
+What users feel, per request (``RequestMetrics``: time to first token, time per output
+token, end-to-end latency, token counts, finish reasons, errors by status code) and
+what only a disaggregated router has: routing decisions by pool, policy and whether
+the KV index matched a prefix; the prompt tokens each policy sent to prefill workers
+and the share of them those workers found cached; prefill retries, decode migrations
+and stalls; the KV index and its event stream; each worker's load as the router sees
+it.
 
 Hit rate = prompt tokens the chosen prefill workers found cached (as they report
-them) / prompt tokens sent to prefill workers. Prefill tokens computed = the
-difference. ``predicted`` counts what the KV index expected the chosen worker to hold.
+them) / prompt tokens sent to prefill workers. ``predicted`` counts what the KV index
+expected the chosen worker to hold.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from collections.abc import Iterator
 
-from tandem.common.metrics_text import Histogram, Sample, format_family
+from prometheus_client import Counter
+
+from tandem.common.metrics import (
+    ComponentMetrics,
+    RequestMetrics,
+    Sample,
+)
 from tandem.common.registry import RegistryWatcher, WorkerRole
 from tandem.router.kv_index.indexer import KVIndexer
 from tandem.router.routing.inflight import InflightLoad
@@ -23,185 +32,223 @@ DECISION_BUCKETS_S = (25e-6, 50e-6, 100e-6, 250e-6, 500e-6, 1e-3, 2.5e-3, 5e-3, 
 LAG_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 5.0)
 
 
-@dataclass
-class RouterMetrics:
-    prefill_requests: int = 0
-    prompt_tokens: int = 0
-    cached_prompt_tokens: int = 0
-    predicted_cached_tokens: int = 0
-    kv_blocks_pulled: int = 0
-    event_batches_read: int = 0
-    event_batches_undecodable: int = 0
-    snapshots_fetched: int = 0
-    snapshot_failures: int = 0
-    prefill_retries: int = 0
-    """Prefills that failed on a worker and were tried on another."""
-    decode_migrations: int = 0
-    """Decode streams whose worker failed or stalled (each goes on elsewhere if it can)."""
-    decode_stalls: int = 0
-    """Of those, streams moved because they stalled (``router.stall``)."""
-    decision_seconds: Histogram = field(default_factory=lambda: Histogram(DECISION_BUCKETS_S))
-    """Index lookup + load merge + policy, per pick."""
-    hash_seconds: Histogram = field(default_factory=lambda: Histogram(DECISION_BUCKETS_S))
-    """Block hashing, once per request."""
-    event_lag_seconds: Histogram = field(default_factory=lambda: Histogram(LAG_BUCKETS_S))
-    """Worker publish -> router read, per event batch (wall clocks of both)."""
+class RouterMetrics(ComponentMetrics):
+    def __init__(self, model_name: str = "") -> None:
+        super().__init__(model_name, "router")
+        self.requests = RequestMetrics(self)
+        self.num_running = self.gauge("num_requests_running", "client requests in flight")
+        self._errors = self.counter(
+            "request_errors", "requests refused or failed, by gRPC status code", ["code"]
+        )
+        self._decisions = self.counter(
+            "router_routing_decisions",
+            "workers picked, by pool, policy and whether the KV index matched a prefix there",
+            ["pool", "policy", "prefix_match"],
+        )
+        self._policy_prompt = self.counter(
+            "router_prompt_tokens",
+            "prompt tokens sent to prefill workers, by the policy that picked them",
+            ["policy"],
+        )
+        self._policy_cached = self.counter(
+            "router_cached_prompt_tokens",
+            "of those, tokens the prefill workers found in their prefix cache",
+            ["policy"],
+        )
+        self.predicted_cached_tokens = self.counter(
+            "router_predicted_cached_tokens",
+            "prompt tokens the KV index expected the chosen prefill worker to hold",
+        )
+        self.prefill_requests = self.counter(
+            "router_prefill_requests", "requests prefilled by a prefill worker"
+        )
+        self.kv_blocks_pulled = self.counter(
+            "router_kv_blocks_pulled", "KV blocks decode workers pulled for this router's requests"
+        )
+        self.prefill_retries = self.counter(
+            "router_prefill_retries", "prefills that failed on a worker and were tried on another"
+        )
+        self.decode_migrations = self.counter(
+            "router_decode_migrations",
+            "decode streams whose worker failed or stalled (each goes on elsewhere if it can)",
+        )
+        self.decode_stalls = self.counter(
+            "router_decode_stalls", "of those, streams moved because they stalled"
+        )
+        self.event_batches_read = self.counter("router_kv_event_batches", "KV event batches read")
+        self.event_batches_undecodable = self.counter(
+            "router_kv_event_batches_undecodable", "stream entries that were not event batches"
+        )
+        self.snapshots_fetched = self.counter(
+            "router_kv_snapshots", "worker cache snapshots fetched"
+        )
+        self.snapshot_failures = self.counter(
+            "router_kv_snapshot_failures", "failed snapshot fetches"
+        )
+        self.decision_seconds = self.histogram(
+            "router_decision_seconds",
+            "time to pick a worker (index + load + policy)",
+            DECISION_BUCKETS_S,
+        )
+        self.hash_seconds = self.histogram(
+            "router_block_hash_seconds",
+            "time to hash a prompt, once per request",
+            DECISION_BUCKETS_S,
+        )
+        self.event_lag_seconds = self.histogram(
+            "router_kv_event_lag_seconds",
+            "worker publish to router read of KV events (wall clocks of both)",
+            LAG_BUCKETS_S,
+        )
 
-    @property
-    def prefill_tokens_computed(self) -> int:
-        return self.prompt_tokens - self.cached_prompt_tokens
+    # --- the request path --------------------------------------------------------------
 
-    @property
-    def hit_rate(self) -> float:
-        return self.cached_prompt_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+    def failed(self, code: str) -> None:
+        self.labelled(self._errors, code=code).inc()
 
-    def prefilled(self, prompt_tokens: int, cached_tokens: int, predicted_tokens: int) -> None:
-        self.prefill_requests += 1
-        self.prompt_tokens += prompt_tokens
-        self.cached_prompt_tokens += cached_tokens
-        self.predicted_cached_tokens += predicted_tokens
-
-    def decided(self, seconds: float) -> None:
+    def decided(self, seconds: float, pool: WorkerRole, policy: str, matched_blocks: int) -> None:
         self.decision_seconds.observe(seconds)
+        match = "hit" if matched_blocks else "miss"
+        self.labelled(self._decisions, pool=pool.value, policy=policy, prefix_match=match).inc()
+
+    def prefilled(
+        self, policy: str, prompt_tokens: int, cached_tokens: int, predicted_tokens: int
+    ) -> None:
+        self.prefill_requests.inc()
+        self.labelled(self._policy_prompt, policy=policy).inc(prompt_tokens)
+        self.labelled(self._policy_cached, policy=policy).inc(cached_tokens)
+        self.predicted_cached_tokens.inc(predicted_tokens)
 
     def hashed(self, seconds: float) -> None:
         self.hash_seconds.observe(seconds)
 
+    # --- reading (tests, benches) ------------------------------------------------------
 
-def render_metrics(
-    metrics: RouterMetrics,
-    watcher: RegistryWatcher,
-    indexer: KVIndexer | None,
-    inflight: InflightLoad,
-) -> str:
-    """Prometheus text of everything above, plus live per-worker and index gauges."""
-    m = metrics
-    counters = (
-        ("prefill_requests_total", "requests prefilled by a prefill worker", m.prefill_requests),
-        ("prompt_tokens_total", "prompt tokens sent to prefill workers", m.prompt_tokens),
-        (
-            "cached_prompt_tokens_total",
-            "prompt tokens prefill workers found in their prefix cache",
-            m.cached_prompt_tokens,
-        ),
-        (
-            "predicted_cached_tokens_total",
-            "prompt tokens the KV index expected the chosen prefill worker to hold",
-            m.predicted_cached_tokens,
-        ),
-        (
-            "prefill_tokens_computed_total",
-            "prompt tokens prefill workers computed",
-            m.prefill_tokens_computed,
-        ),
-        ("kv_blocks_pulled_total", "KV blocks decode workers pulled", m.kv_blocks_pulled),
-        ("kv_event_batches_total", "KV event batches read", m.event_batches_read),
-        (
-            "kv_event_batches_undecodable_total",
-            "stream entries that were not event batches",
-            m.event_batches_undecodable,
-        ),
-        ("kv_snapshots_total", "worker cache snapshots fetched", m.snapshots_fetched),
-        ("kv_snapshot_failures_total", "failed snapshot fetches", m.snapshot_failures),
-        (
-            "prefill_retries_total",
-            "prefills that failed on a worker and were tried on another",
-            m.prefill_retries,
-        ),
-        (
-            "decode_migrations_total",
-            "decode streams whose worker failed or stalled (each goes on elsewhere if it can)",
-            m.decode_migrations,
-        ),
-        ("decode_stalls_total", "decode streams moved because they stalled", m.decode_stalls),
-    )
-    parts = [
-        format_family(f"tandem_router_{name}", "counter", text, [Sample({}, value)])
-        for name, text, value in counters
-    ]
-    parts.append(
-        format_family(
-            "tandem_router_prefix_hit_rate",
-            "gauge",
-            "cached / prompt tokens of prefilled requests since start",
-            [Sample({}, m.hit_rate)],
-        )
-    )
-    parts.append(
-        m.decision_seconds.render(
-            "tandem_router_decision_seconds", "time to pick a worker (index + load + policy)"
-        )
-    )
-    parts.append(m.hash_seconds.render("tandem_router_block_hash_seconds", "time to hash a prompt"))
-    parts.append(
-        m.event_lag_seconds.render(
-            "tandem_router_kv_event_lag_seconds", "worker publish to router read of KV events"
-        )
-    )
-    parts += _index_families(indexer)
-    parts += _worker_families(watcher, inflight)
-    return "".join(parts)
+    @property
+    def prompt_tokens(self) -> float:
+        """Prompt tokens sent to prefill workers, over every policy."""
+        return _sum(self._policy_prompt)
+
+    @property
+    def cached_prompt_tokens(self) -> float:
+        return _sum(self._policy_cached)
+
+    @property
+    def hit_rate(self) -> float:
+        prompt = self.prompt_tokens
+        return self.cached_prompt_tokens / prompt if prompt else 0.0
+
+    # --- live gauges -------------------------------------------------------------------
+
+    def watch(
+        self, watcher: RegistryWatcher, indexer: KVIndexer | None, inflight: InflightLoad
+    ) -> None:
+        """Report the KV index and each worker's load (merged with this router's work in
+        flight) at every scrape."""
+        self.collect_with(lambda: _live(self, watcher, indexer, inflight))
 
 
-def _index_families(indexer: KVIndexer | None) -> list[str]:
-    if indexer is None:
-        return []
-    stats, index = indexer.stats, indexer.index
-    gauges = (
-        ("kv_index_entries", "(worker, block) pairs in the KV index", index.num_entries),
-        ("kv_index_hashes", "distinct block hashes in the KV index", index.num_hashes),
-        ("kv_index_workers_syncing", "workers waiting for a snapshot", len(indexer.syncing)),
-    )
-    counters = (
-        ("kv_event_gaps_total", "lost KV events detected (each triggers a resync)", stats.gaps),
-        ("kv_snapshots_applied_total", "snapshots applied to the index", stats.snapshots_applied),
-        ("kv_event_batches_applied_total", "event batches applied", stats.batches_applied),
-        (
-            "kv_event_batches_ignored_total",
-            "batches of unknown workers or old incarnations",
-            stats.batches_ignored,
-        ),
-    )
-    parts = [format_family(f"tandem_router_{n}", "gauge", t, [Sample({}, v)]) for n, t, v in gauges]
-    parts += [
-        format_family(f"tandem_router_{n}", "counter", t, [Sample({}, v)]) for n, t, v in counters
-    ]
-    per_worker = [Sample({"worker": w}, index.num_blocks(w)) for w in sorted(index.workers())]
-    parts.append(
-        format_family(
-            "tandem_router_kv_index_worker_blocks", "gauge", "blocks indexed per worker", per_worker
-        )
-    )
-    return parts
+def _sum(family: Counter) -> float:
+    """A labelled counter's total over its children (read from the family itself, not
+    the registry: the registry's scrape calls ``_live``, which reads this)."""
+    return sum(s.value for m in family.collect() for s in m.samples if s.name.endswith("_total"))
 
 
-def _worker_families(watcher: RegistryWatcher, inflight: InflightLoad) -> list[str]:
-    samples: dict[str, list[Sample]] = {"queued": [], "running": [], "free": [], "busy": []}
+def _live(
+    m: RouterMetrics, watcher: RegistryWatcher, indexer: KVIndexer | None, inflight: InflightLoad
+) -> Iterator[Sample]:
+    yield Sample(
+        "router_prefix_hit_rate", "gauge", "cached / prompt tokens since start", m.hit_rate
+    )
+    yield Sample(
+        "router_prefill_tokens_computed_total",
+        "counter",
+        "prompt tokens prefill workers computed (sent - cached)",
+        m.prompt_tokens - m.cached_prompt_tokens,
+    )
     for role in WorkerRole:
-        for record in inflight.adjust(list(watcher.workers(role))):
-            labels = {"worker": record.info.worker_id, "role": role.value}
-            samples["queued"].append(Sample(labels, record.load.num_queued_prefill_tokens))
-            samples["running"].append(Sample(labels, record.load.num_running_seqs))
-            samples["free"].append(Sample(labels, record.load.free_kv_blocks))
-            samples["busy"].append(Sample(labels, record.load.busy_fraction))
-    return [
-        format_family(
-            "tandem_router_worker_queued_prefill_tokens",
+        records = inflight.adjust(list(watcher.workers(role)))
+        yield Sample(
+            "router_workers", "gauge", "workers registered", len(records), {"pool": role.value}
+        )
+        for record in records:
+            labels = {"worker": record.info.worker_id, "pool": role.value}
+            load = record.load
+            yield Sample(
+                "router_worker_queued_prefill_tokens",
+                "gauge",
+                "queued prefill tokens per worker (reported, merged with in-flight)",
+                load.num_queued_prefill_tokens,
+                labels,
+            )
+            yield Sample(
+                "router_worker_running_seqs",
+                "gauge",
+                "running sequences",
+                load.num_running_seqs,
+                labels,
+            )
+            yield Sample(
+                "router_worker_free_kv_blocks",
+                "gauge",
+                "free KV blocks",
+                load.free_kv_blocks,
+                labels,
+            )
+            yield Sample(
+                "router_worker_busy_fraction",
+                "gauge",
+                "share of the last ~10 s the worker's engine spent stepping",
+                load.busy_fraction,
+                labels,
+            )
+    if indexer is None:
+        return
+    stats, index = indexer.stats, indexer.index
+    yield Sample(
+        "router_kv_index_entries",
+        "gauge",
+        "(worker, block) pairs in the KV index",
+        index.num_entries,
+    )
+    yield Sample(
+        "router_kv_index_hashes", "gauge", "distinct block hashes in the KV index", index.num_hashes
+    )
+    yield Sample(
+        "router_kv_index_workers_syncing",
+        "gauge",
+        "workers waiting for a snapshot",
+        len(indexer.syncing),
+    )
+    yield Sample(
+        "router_kv_event_gaps_total",
+        "counter",
+        "lost KV events detected (each triggers a resync)",
+        stats.gaps,
+    )
+    yield Sample(
+        "router_kv_snapshots_applied_total",
+        "counter",
+        "snapshots applied to the index",
+        stats.snapshots_applied,
+    )
+    yield Sample(
+        "router_kv_event_batches_applied_total",
+        "counter",
+        "event batches applied",
+        stats.batches_applied,
+    )
+    yield Sample(
+        "router_kv_event_batches_ignored_total",
+        "counter",
+        "batches of unknown workers or old incarnations",
+        stats.batches_ignored,
+    )
+    for worker in sorted(index.workers()):
+        yield Sample(
+            "router_kv_index_worker_blocks",
             "gauge",
-            "queued prefill tokens per worker (reported, merged with in-flight)",
-            samples["queued"],
-        ),
-        format_family(
-            "tandem_router_worker_running_seqs", "gauge", "running sequences", samples["running"]
-        ),
-        format_family(
-            "tandem_router_worker_free_kv_blocks", "gauge", "free KV blocks", samples["free"]
-        ),
-        format_family(
-            "tandem_router_worker_busy_fraction",
-            "gauge",
-            "share of the last ~10 s the worker's engine spent stepping (reported, brought "
-            "up to now with this router's work since)",
-            samples["busy"],
-        ),
-    ]
+            "blocks indexed per worker",
+            index.num_blocks(worker),
+            {"worker": worker},
+        )

@@ -218,14 +218,19 @@ class Orchestrator:
                 )
                 tried.add(worker.info.worker_id)
                 self.suspects.mark(worker.info.worker_id)
-                self.metrics.prefill_retries += 1
+                self.metrics.prefill_retries.inc()
                 continue
             finally:
                 self.pools.end(ticket)
             trace.prefill_worker = worker.info.worker_id
             trace.cached_prompt_tokens = response.cached_prompt_tokens
             trace.predicted_prefix_blocks = pick.matched_blocks
-            self.metrics.prefilled(request.num_prompt_tokens, response.cached_prompt_tokens, cached)
+            self.metrics.prefilled(
+                self.prefill_policy.name,
+                request.num_prompt_tokens,
+                response.cached_prompt_tokens,
+                cached,
+            )
             return response
         return None
 
@@ -304,7 +309,7 @@ class Orchestrator:
                 log.warning(
                     "decode on %s stalled (%s); continuing elsewhere", worker.info.worker_id, err
                 )
-                self.metrics.decode_stalls += 1
+                self.metrics.decode_stalls.inc()
                 self.suspects.mark(worker.info.worker_id)
             except (grpc.aio.AioRpcError, asyncio.CancelledError) as err:
                 if not worker_failed(err):
@@ -320,7 +325,7 @@ class Orchestrator:
                 self.pools.end(ticket)
             tried.add(worker.info.worker_id)
             last = worker.info.worker_id
-            self.metrics.decode_migrations += 1
+            self.metrics.decode_migrations.inc()
             handle = None  # the next worker recomputes prompt + produced tokens itself
         log.warning(
             "request %s: no decode worker left to try (tried %s)",
@@ -333,7 +338,7 @@ class Orchestrator:
         if response.kv_source != worker_pb2.KV_SOURCE_UNSPECIFIED:
             trace.kv_source = response.kv_source
             trace.blocks_pulled = response.blocks_pulled
-            self.metrics.kv_blocks_pulled += response.blocks_pulled
+            self.metrics.kv_blocks_pulled.inc(response.blocks_pulled)
             if trace.prefill_worker is None:
                 trace.cached_prompt_tokens = response.cached_prompt_tokens
 
@@ -397,7 +402,7 @@ class Orchestrator:
             return None
         policy.record(routing, choice)
         matched = routing.matched_blocks.get(choice.info.worker_id, 0)
-        self.metrics.decided(time.perf_counter() - start)
+        self.metrics.decided(time.perf_counter() - start, role, policy.name, matched)
         return _Pick(choice, matched)
 
 

@@ -16,11 +16,13 @@ from collections.abc import AsyncIterator
 
 import grpc
 
+from tandem.common.metrics import RequestTimer
 from tandem.common.registry import WorkerRole
 from tandem.common.text_stream import TextStream
 from tandem.common.tokenizer import Tokenizer
 from tandem.common.wire import FINISH_REASON_TO_PROTO
 from tandem.protos import generation_pb2, generation_pb2_grpc
+from tandem.router.metrics import RouterMetrics
 from tandem.router.orchestrator import NoWorkerAvailable, Orchestrator, RequestTrace
 from tandem.router.validation import InvalidRequest, RequestValidator, ValidatedRequest
 
@@ -52,11 +54,13 @@ class Generator:
         tokenizer: Tokenizer,
         orchestrator: Orchestrator,
         max_pending_requests: int,
+        metrics: RouterMetrics | None = None,
     ) -> None:
         self.validator = validator
         self.tokenizer = tokenizer
         self.orchestrator = orchestrator
         self.max_pending_requests = max_pending_requests
+        self.metrics = metrics or orchestrator.metrics
         self.num_pending = 0
 
     def model_info(self) -> generation_pb2.ModelInfo:
@@ -72,8 +76,13 @@ class Generator:
     def admit(self, request: generation_pb2.GenerateRequest) -> ValidatedRequest:
         """Validate (``InvalidRequest``) and check room (``Overloaded``), before any
         answer is sent."""
-        validated = self.validator.validate(request)
+        try:
+            validated = self.validator.validate(request)
+        except InvalidRequest:
+            self.metrics.failed("INVALID_ARGUMENT")
+            raise
         if self.num_pending >= self.max_pending_requests:
+            self.metrics.failed("RESOURCE_EXHAUSTED")
             raise Overloaded(
                 f"the router is at its limit of {self.max_pending_requests} requests in "
                 "flight; retry later"
@@ -85,6 +94,10 @@ class Generator:
     ) -> AsyncIterator[generation_pb2.GenerateResponse]:
         """The answer to an admitted request; ``deadline``: a ``time.monotonic()`` instant."""
         self.num_pending += 1
+        self.metrics.num_running.inc()
+        timer = RequestTimer(self.metrics.requests, request.num_prompt_tokens, time.monotonic)
+        finished: str | None = None
+        failure = "CANCELLED"  # the client left, unless something below says otherwise
         trace = RequestTrace()
         text = TextStream(self.tokenizer, request.sampling)
         num_tokens = 0
@@ -93,6 +106,7 @@ class Generator:
             async with contextlib.aclosing(chunks):
                 async for chunk in chunks:
                     num_tokens += len(chunk.token_ids)
+                    timer.tokens(len(chunk.token_ids))
                     update = text.push(
                         list(chunk.token_ids), finishing=chunk.finish_reason is not None
                     )
@@ -108,16 +122,26 @@ class Generator:
                         response.usage.prompt_tokens = request.num_prompt_tokens
                         response.usage.completion_tokens = num_tokens
                         response.usage.cached_prompt_tokens = trace.cached_prompt_tokens
+                    if finish is not None:
+                        finished = finish
                     yield response
                     if finish is not None:
                         return
+        except NoWorkerAvailable:
+            failure = "UNAVAILABLE"
+            raise
         except grpc.aio.AioRpcError as err:
             code = err.code()
+            failure = code.name
             if code is grpc.StatusCode.DEADLINE_EXCEEDED:
                 raise WorkerError(code, "the request's deadline passed before it finished") from err
             raise WorkerError(code, f"worker error: {err.details()}") from err
         finally:
             self.num_pending -= 1
+            self.metrics.num_running.dec()
+            timer.end(finished)
+            if finished is None:
+                self.metrics.failed(failure)
 
 
 class GenerationService(generation_pb2_grpc.GenerationServicer):

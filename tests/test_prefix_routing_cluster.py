@@ -11,7 +11,6 @@ import subprocess
 import sys
 import threading
 import time
-import urllib.request
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -21,6 +20,7 @@ import pytest
 
 from tandem.cli.launcher import READY_PREFIX, ClusterSpec, LocalCluster
 from tandem.common.kv_events.wire import snapshot_from_proto
+from tandem.common.metrics import Scrape
 from tandem.protos import common_pb2, worker_pb2, worker_pb2_grpc
 from tests.cluster_util import complete_all, free_port, worker_status
 from tests.hf_reference import random_prompts
@@ -79,9 +79,8 @@ class RouterProcess:
     def address(self) -> str:
         return f"127.0.0.1:{self.port}"
 
-    def metrics(self) -> str:
-        url = f"http://127.0.0.1:{self.metrics_port}/metrics"
-        return urllib.request.urlopen(url, timeout=5).read().decode()
+    def metrics(self) -> Scrape:
+        return Scrape.of(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout_s=5)
 
     def stop(self) -> None:
         self.process.terminate()
@@ -177,7 +176,7 @@ def test_restarted_router_rebuilds_the_index_and_routes_with_hits(
         _wait_synced(restarted)
         # Idle pool: without the index the tie would go to prefill-0.
         assert served_by(cluster, restarted.address, query) == ("prefill-1", 128)
-        assert "tandem_router_kv_snapshots_applied_total 3" in restarted.metrics()
+        assert restarted.metrics().value("router_kv_snapshots_applied_total") == 3
     finally:
         restarted.stop()
 
@@ -212,10 +211,7 @@ def test_two_router_replicas_agree(cluster: LocalCluster, tmp_path: Path) -> Non
 
 
 def _busy_fraction(router: RouterProcess, worker: str) -> float:
-    for line in router.metrics().splitlines():
-        if line.startswith("tandem_router_worker_busy_fraction{") and f'"{worker}"' in line:
-            return float(line.rsplit(" ", 1)[1])
-    return 0.0
+    return router.metrics().value("router_worker_busy_fraction", worker=worker)
 
 
 def test_a_removed_worker_is_never_chosen_and_its_entries_are_gone(
@@ -230,7 +226,7 @@ def test_a_removed_worker_is_never_chosen_and_its_entries_are_gone(
         _wait_indexed(router, "prefill-1", before + 6)
         cluster.kill("prefill-1", sig=15)  # SIGTERM: deregisters, the router sees it leave
         deadline = time.monotonic() + 10
-        while 'worker="prefill-1"' in router.metrics():
+        while "prefill-1" in router.metrics().labels("router_kv_index_worker_blocks", "worker"):
             assert time.monotonic() < deadline, "prefill-1 stayed in the router's index"
             time.sleep(0.1)
         for i in range(3):
@@ -245,20 +241,17 @@ def test_a_removed_worker_is_never_chosen_and_its_entries_are_gone(
 def _wait_synced(router: RouterProcess, timeout_s: float = 20.0) -> None:
     deadline = time.monotonic() + timeout_s
     while True:
-        text = router.metrics()
-        workers = text.count("tandem_router_worker_free_kv_blocks{")
-        if workers == 3 and "tandem_router_kv_index_workers_syncing 0" in text:
+        scrape = router.metrics()
+        workers = scrape.labels("router_worker_free_kv_blocks", "worker")
+        syncing = scrape.value("router_kv_index_workers_syncing")
+        if len(workers) == 3 and "router_kv_index_workers_syncing" in scrape.text and not syncing:
             return
         assert time.monotonic() < deadline, "router never synced its KV index"
         time.sleep(0.1)
 
 
 def _indexed_blocks(router: RouterProcess, worker: str) -> int:
-    key = f'tandem_router_kv_index_worker_blocks{{worker="{worker}"}} '
-    for line in router.metrics().splitlines():
-        if line.startswith(key):
-            return int(line[len(key) :])
-    return 0
+    return int(router.metrics().value("router_kv_index_worker_blocks", worker=worker))
 
 
 def _wait_indexed(router: RouterProcess, worker: str, blocks: int, timeout_s: float = 10) -> None:

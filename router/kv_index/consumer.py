@@ -151,12 +151,12 @@ class KVEventConsumer:
         try:
             batch = decode_batch(raw)
         except KVEventDecodeError as err:
-            self.metrics.event_batches_undecodable += 1
+            self.metrics.event_batches_undecodable.inc()
             if not self._bad_entry_logged:
                 log.warning("skipping unreadable KV event entries in %s: %s", self.stream, err)
                 self._bad_entry_logged = True
             return
-        self.metrics.event_batches_read += 1
+        self.metrics.event_batches_read.inc()
         if batch.published_at:
             self.metrics.event_lag_seconds.observe(max(0.0, time.time() - batch.published_at))
         if self.indexer.apply(batch):
@@ -200,12 +200,12 @@ class KVEventConsumer:
             try:
                 snapshot = await self._fetch_snapshot(record)
             except (grpc.aio.AioRpcError, KVEventDecodeError) as err:
-                self.metrics.snapshot_failures += 1
+                self.metrics.snapshot_failures.inc()
                 log.warning("snapshot of %s failed (%s); retrying", worker_id, _describe(err))
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, _RETRY_MAX_S)
                 continue
-            self.metrics.snapshots_fetched += 1
+            self.metrics.snapshots_fetched.inc()
             if snapshot.worker_id != worker_id:
                 log.error("worker %s answered with a snapshot of %s", worker_id, snapshot.worker_id)
                 return

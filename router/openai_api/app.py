@@ -21,6 +21,7 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
 import grpc
+import prometheus_client
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -111,6 +112,12 @@ def make_app(
     @app.get("/health")
     async def health() -> Response:
         return Response(status_code=200 if is_ready() else 503)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        """The router's Prometheus metrics, as on ``--metrics-port`` (open, like health)."""
+        body = prometheus_client.generate_latest(generator.metrics.registry)
+        return Response(body, media_type=prometheus_client.CONTENT_TYPE_LATEST)
 
     @app.get("/v1/models")
     async def models(request: Request) -> dict[str, Any]:

@@ -64,6 +64,8 @@ class RoutingRequest:
 class RoutingPolicy(Protocol):
     """Picks a worker for a request from a snapshot of one pool."""
 
+    name: str
+    """The policy's name in metrics (a ``PolicyName`` value)."""
     uses_prefix_match: bool
     """Whether ``choose`` reads ``request.matched_blocks`` (the caller then fills it)."""
 
@@ -104,6 +106,7 @@ class RoundRobin:
     candidate whose id sorts after the cursor, wrapping around to the smallest id.
     """
 
+    name = "round_robin"
     uses_prefix_match = False
 
     def __init__(self) -> None:
@@ -133,6 +136,7 @@ class LeastLoaded:
     to the smallest worker id, so equal loads always give the same answer.
     """
 
+    name = "least_loaded"
     uses_prefix_match = False
 
     def load_key(self, record: WorkerRecord) -> tuple:

@@ -175,6 +175,7 @@ class _Scored:
 class PrefixAwarePolicy:
     """``RoutingPolicy`` choosing by the cost in the module docstring; stateless."""
 
+    name = "prefix_aware"
     uses_prefix_match = True
 
     def __init__(self, cost: PrefixCost | None = None) -> None:

@@ -27,7 +27,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from tandem.cli.options import CommandError
 from tandem.common.client import auth_metadata
-from tandem.common.redis_server import EmbeddedRedis
+from tandem.common.redis_server import EmbeddedRedis, free_port
 from tandem.common.tls import InternalTLS, internal_sync_channel
 from tandem.protos import generation_pb2, generation_pb2_grpc
 
@@ -75,6 +75,11 @@ class ClusterSpec:
     api_keys: tuple[str, ...] = ()
     """Keys the router requires (passed in its environment, not its command line); the
     launcher's own calls present the first."""
+    metrics_port: int | None = None
+    """Prometheus ``/metrics`` on every component: the router on this port, then each
+    prefill and decode worker on the next ones in order (``tandem serve --metrics-port
+    9400``: router 9400, prefill-0 9401, ...); 0 picks free ports; ``None``: off. A
+    restarted component keeps its port."""
 
 
 RESTART_BACKOFF_S = (1.0, 2.0, 5.0, 10.0, 30.0)
@@ -104,6 +109,8 @@ class LocalCluster:
         self._stopping = threading.Event()
         self._supervisor: threading.Thread | None = None
         self.certs: IssuedCerts | None = None
+        self.metrics_ports: dict[str, int] = {}
+        """Component name -> its ``/metrics`` port (empty when metrics are off)."""
 
     @property
     def ca_certificates(self) -> bytes | None:
@@ -153,7 +160,11 @@ class LocalCluster:
             self._spawn(
                 "router",
                 self._component_args(
-                    "router", "--port", str(self.spec.router_port), *self.spec.router_args
+                    "router",
+                    "--port",
+                    str(self.spec.router_port),
+                    *self._metrics_args("router"),
+                    *self.spec.router_args,
                 ),
                 {KEYS_ENV: ",".join(self.spec.api_keys)} if self.spec.api_keys else None,
             )
@@ -182,6 +193,7 @@ class LocalCluster:
             name,
             "--num-threads",
             str(threads),
+            *self._metrics_args(name),
             *self.spec.worker_args,
             *(self.spec.prefill_args if role == "prefill" else self.spec.decode_args),
         )
@@ -295,6 +307,20 @@ class LocalCluster:
                 str(self.certs.ca),
             ]
         return [*args, *extra]
+
+    def _metrics_args(self, name: str) -> list[str]:
+        base = self.spec.metrics_port
+        if base is None:
+            return []
+        if name not in self.metrics_ports:
+            order = [
+                "router",
+                *(f"prefill-{i}" for i in range(self.spec.num_prefill)),
+                *(f"decode-{i}" for i in range(self.spec.num_decode)),
+            ]
+            known = base and name in order
+            self.metrics_ports[name] = base + order.index(name) if known else free_port()
+        return ["--metrics-port", str(self.metrics_ports[name])]
 
     def _internal_tls(self, identity: str) -> InternalTLS | None:
         if self.certs is None:

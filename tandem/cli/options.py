@@ -93,6 +93,11 @@ def add_server_options(parser: argparse.ArgumentParser) -> None:
         "port: for probes that cannot do mutual TLS, e.g. a kubelet's (default: none)",
     )
     g.add_argument(
+        "--metrics-port",
+        type=int,
+        help="serve Prometheus GET /metrics here, plaintext (0: any free port; default: off)",
+    )
+    g.add_argument(
         "--drain-timeout",
         type=float,
         default=25.0,

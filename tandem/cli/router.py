@@ -40,11 +40,6 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     add_server_options(router)
     router.add_argument("--port", type=int, default=50051, help="gRPC port of the public API")
     router.add_argument(
-        "--metrics-port",
-        type=int,
-        help="serve Prometheus GET /metrics here (0: any free port; default: off)",
-    )
-    router.add_argument(
         "--disaggregation-min-tokens",
         type=int,
         default=32,

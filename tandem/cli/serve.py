@@ -41,6 +41,13 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         type=int,
         help="also serve the OpenAI-compatible HTTP API on this port (default: off)",
     )
+    serve.add_argument(
+        "--metrics-port",
+        type=int,
+        default=0,
+        help="Prometheus /metrics of the router on this port and of each worker on the next "
+        "ones (prefill-0, prefill-1, ..., decode-0, ...); default 0: free ports, printed",
+    )
     serve.add_argument("--host", default="127.0.0.1", help="address every process listens on")
     serve.add_argument("--redis-url", help="an existing Redis (default: start an embedded one)")
     serve.add_argument("--log-dir", type=Path, help="one log file per process (default: echo)")
@@ -137,6 +144,7 @@ def _run(args: argparse.Namespace) -> int:
         restart=not args.demo,
         tls_dir=args.tls_dir,
         api_keys=_api_keys(args),
+        metrics_port=args.metrics_port,
     )
     try:
         check_flags(spec)
@@ -153,6 +161,8 @@ def _run(args: argparse.Namespace) -> int:
         if args.http_port is not None:
             scheme = "https" if cluster.certs is not None else "http"
             print(f"OpenAI-compatible API at {scheme}://{args.host}:{args.http_port}/v1")
+        metrics = ", ".join(f"{n} :{p}" for n, p in cluster.metrics_ports.items())
+        print(f"Prometheus metrics at http://{args.host}:PORT/metrics: {metrics}")
         if cluster.certs is not None:
             print(f"TLS on; clients trust {cluster.certs.ca} (tandem generate --ssl-ca-certs)")
         if args.demo:

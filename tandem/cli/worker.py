@@ -227,6 +227,7 @@ def run(args: argparse.Namespace) -> int:
         engine_stall_timeout_s=args.engine_stall_timeout,
         tls=tls,
         health_port=args.health_port,
+        metrics_port=args.metrics_port,
         **role_options,
     )
     if prefill:

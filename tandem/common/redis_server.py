@@ -140,7 +140,7 @@ class EmbeddedRedis:
         if self._binary is None:
             self._binary = find_redis_binary()
         data_dir = Path(tempfile.mkdtemp(prefix="tandem-redis-"))
-        port = self._requested_port if self._requested_port is not None else _free_port()
+        port = self._requested_port if self._requested_port is not None else free_port()
         process = self._launch(data_dir, port)
         self._finalizer = weakref.finalize(self, _shut_down, process, data_dir)
         self._process, self._port = process, port
@@ -240,7 +240,7 @@ def resolve_redis_url(url: str | None) -> tuple[str, EmbeddedRedis | None]:
     return server.url, server
 
 
-def _free_port() -> int:
+def free_port() -> int:
     # The port is free now; another process could take it before redis binds, in
     # which case redis exits and start() reports its "address in use" log line.
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:

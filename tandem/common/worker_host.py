@@ -16,6 +16,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from tandem.common.grpc_server import AddServicer, RunningServer, start_server
+from tandem.common.metrics import ComponentMetrics, MetricsServer
 from tandem.common.process import SHUTDOWN_GRACE_S, arm_exit_watchdog, stop_on_signals
 from tandem.common.registry import (
     DEFAULT_HEARTBEAT_INTERVAL_S,
@@ -63,6 +64,8 @@ class WorkerOptions:
     """Mutual TLS on this worker's port and on its calls to other workers."""
     health_port: int | None = None
     """A plaintext port answering gRPC health alone (for probes), when set."""
+    metrics_port: int | None = None
+    """Serve Prometheus ``GET /metrics`` here (0: a free port); ``None``: no endpoint."""
 
     @property
     def public_host(self) -> str:
@@ -77,11 +80,13 @@ async def host_worker(
     load: Callable[[], WorkerLoad],
     stop: asyncio.Event | None = None,
     engine_stalled_s: Callable[[], float] | None = None,
+    metrics: ComponentMetrics | None = None,
 ) -> None:
     """Serve until ``stop`` is set or SIGINT/SIGTERM arrives. ``make_info(address)``
     builds the registry entry once the bound address is known. ``engine_stalled_s``:
     how long the worker's engine loop has not advanced (``AsyncEngine.stalled_for_s``);
-    past ``options.engine_stall_timeout_s`` the worker is not ready (see ``_membership``)."""
+    past ``options.engine_stall_timeout_s`` the worker is not ready (see ``_membership``).
+    ``metrics`` are served on ``options.metrics_port`` when it is set."""
     whole_process = stop is None  # run by a command, not embedded in another program
     stop = stop or stop_on_signals()
     server = await start_server(
@@ -95,6 +100,10 @@ async def host_worker(
     address = f"{options.public_host}:{server.port}"
     info = make_info(address)
     registration = WorkerRegistration(options.redis_url, ttl_s=options.registry_ttl_s)
+    metrics_server = None
+    if metrics is not None and options.metrics_port is not None:
+        metrics_server = MetricsServer(metrics.registry, options.host, options.metrics_port)
+        log.info("metrics at http://%s:%d/metrics", options.public_host, metrics_server.port)
     try:
         await registration.register(info, load())
         heartbeats = asyncio.create_task(
@@ -115,6 +124,8 @@ async def host_worker(
         heartbeats.cancel()
     finally:
         await _leave(registration, server, options.drain_timeout_s)
+        if metrics_server is not None:
+            await asyncio.to_thread(metrics_server.close)
 
 
 async def _membership(

@@ -17,6 +17,7 @@ class EngineLoadLike(Protocol):
     num_running: int
     num_waiting: int
     num_waiting_for_kv: int
+    num_prefilled: int
     queued_prefill_tokens: int
     num_preemptions: int
     spec_decode: SpecDecodeStatsLike | None
