@@ -115,6 +115,8 @@ class AsyncEngine:
         yet aborted). Leaving the loop early aborts the request."""
         if request_id in self._streams or request_id in self._closing:
             raise ValueError(f"request_id {request_id!r} is already in use")
+        if params.structured is not None:  # compile off the engine thread (cached after)
+            await asyncio.to_thread(self.engine.structured.prepare, params.structured)
         stream: asyncio.Queue[RequestDelta | BaseException] = asyncio.Queue()
         self._streams[request_id] = stream
         done = False

@@ -10,9 +10,11 @@ from one thread (workers run it in a dedicated thread).
 from __future__ import annotations
 
 import itertools
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import replace
+from pathlib import Path
 
 from tandem.common.kv_events.events import KVCacheEvent
 from tandem.common.model_config import ModelConfig
@@ -28,7 +30,9 @@ from tandem.engine.request import FinishReason, PrefillMode, Request, RequestSta
 from tandem.engine.sampler import TokenLogprobs
 from tandem.engine.scheduler import KVPull, Scheduler, SchedulerConfig, StepUpdate
 from tandem.engine.spec_decode.build import build_speculator
+from tandem.engine.spec_decode.proposer import Proposal
 from tandem.engine.spec_decode.speculator import Drafts, Speculator
+from tandem.engine.structured import StructuredOutputs
 
 KVEventCallback = Callable[[list[KVCacheEvent]], None]
 
@@ -107,6 +111,20 @@ class LLMEngine:
         """Whether the last ``step`` found nothing to compute (a driver may then sleep)."""
         self.peak_kv_usage = self.kv_usage()
         self._ids = itertools.count()
+        self._structured: StructuredOutputs | None = None
+        self._structured_lock = threading.Lock()  # servers prepare constraints off-thread
+
+    @property
+    def structured(self) -> StructuredOutputs:
+        """The structured-output compiler, made on first use (``llguidance`` loads then)."""
+        with self._structured_lock:
+            if self._structured is None:
+                tokenizer_json = (Path(self.config.model) / "tokenizer.json").read_text()
+                self._structured = StructuredOutputs(
+                    tokenizer_json, self.model_config.vocab_size, sorted(self.eos_token_ids)
+                )
+                self.runner.structured = self._structured
+            return self._structured
 
     # --- requests ----------------------------------------------------------------------
 
@@ -133,6 +151,8 @@ class LLMEngine:
         outputs = list(output_token_ids or [])
         self._validate(token_ids, outputs, params, prefill_mode)
         request = Request(request_id, token_ids, params, priority, prefill_mode, outputs)
+        if params.structured is not None:
+            request.grammar = self.structured.matcher(params.structured, outputs)
         self.requests[request_id] = request
         if self.detokenize:
             self.text_streams[request_id] = TextStream(self.tokenizer, params)
@@ -234,16 +254,26 @@ class LLMEngine:
 
     def _speculate(self, speculator: Speculator, updates: list[StepUpdate]) -> Drafts:
         """Feed the step's outcome to ``speculator``, then propose for the requests still
-        running (finished ones, by a token stop or a stop string in ``_emit``, are gone)."""
+        running (finished ones, by a token stop or a stop string in ``_emit``, are gone).
+        A constrained request's drafts end before the first token its grammar refuses."""
         for update in updates:
             speculator.observe(update)
             if update.request.is_finished:
                 speculator.forget(update.request.request_id)
-        return speculator.propose(self.scheduler.running, self.runtime.max_model_len)
+        drafts = speculator.propose(self.scheduler.running, self.runtime.max_model_len)
+        if self._structured is None:
+            return drafts
+        return _within_grammar(drafts, self.requests)
 
     def _emit(self, update: StepUpdate, logprobs: list[TokenLogprobs]) -> RequestDelta:
         request = update.request
         reason = update.finish_reason
+        complete = request.grammar is not None and StructuredOutputs.advance(
+            request.grammar, update.new_token_ids
+        )
+        if complete and reason is None:  # the constraint is complete: nothing may follow
+            reason = FinishReason.STOP
+            self.scheduler.finish(request, reason)
         new_text = ""
         if self.detokenize:
             text = self.text_streams[request.request_id].push(
@@ -328,3 +358,19 @@ class LLMEngine:
             raise ValueError("output_token_ids must hold the prefill's first token")
         if params.stop and not self.detokenize:
             raise ValueError("stop strings need an engine that detokenizes (detokenize=True)")
+
+
+def _within_grammar(drafts: Drafts, requests: Mapping[str, Request]) -> Drafts:
+    """``drafts`` with each constrained request's cut at its grammar's first refusal."""
+    kept = {}
+    for rid, proposal in drafts.proposals.items():
+        request = requests.get(rid)
+        if request is not None and request.grammar is not None:
+            n = StructuredOutputs.valid_drafts(request.grammar, proposal.token_ids)
+            if n == 0:
+                continue
+            if n < len(proposal.token_ids):
+                probs = None if proposal.probs is None else proposal.probs[:n]
+                proposal = Proposal(proposal.token_ids[:n], probs)
+        kept[rid] = proposal
+    return Drafts(kept)

@@ -8,6 +8,7 @@ backend, per-request random generators — and makes no policy decisions. One ca
 from __future__ import annotations
 
 from collections.abc import Collection, Mapping, Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass
 from types import MappingProxyType
 
@@ -22,6 +23,7 @@ from tandem.engine.loader import load_model
 from tandem.engine.sampler import RowGroup, Sampler, SamplingRow, TokenLogprobs
 from tandem.engine.scheduler import ScheduledChunk, SchedulerOutput
 from tandem.engine.stopping import banned_tokens
+from tandem.engine.structured import MaskRow, StructuredOutputs, apply_bitmask
 
 NO_DRAFT_PROBS: Mapping[str, torch.Tensor] = MappingProxyType({})
 """No drafted chunk of the step was sampled (the default of ``ModelRunner.execute``)."""
@@ -75,6 +77,8 @@ class ModelRunner:
         self.backend = make_backend(backend, model_config.head_dim**-0.5, layout.block_size)
         self.sampler = Sampler(device, seed)
         self._generators: dict[str, torch.Generator] = {}
+        self.structured: StructuredOutputs | None = None
+        """Set by the engine once a request is constrained (see ``engine.structured``)."""
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
         """Zero-filled, so padding slots never hold NaNs that a masked read could pick up."""
@@ -95,8 +99,9 @@ class ModelRunner:
         for request_id in step.finished_request_ids:
             self._generators.pop(request_id, None)
         chunks = sorted(step.chunks, key=lambda c: c.num_tokens > 1)  # decodes first
-        hidden, meta = self._forward(chunks)
         sampling = [(i, c) for i, c in enumerate(chunks) if c.samples]
+        masks = self._start_masks([c for _, c in sampling])  # filled during the forward
+        hidden, meta = self._forward(chunks)
         if not sampling:
             return RunnerOutput({}, {})
         rows, groups, positions = [], [], []
@@ -108,6 +113,9 @@ class ModelRunner:
             last = meta.query_start_loc[i + 1]
             positions.extend(range(last - len(drafts) - 1, last))
         logits = self.model.compute_logits(hidden[torch.tensor(positions, device=self.device)])
+        if masks is not None:
+            bitmask, masked_rows = self.structured.wait(masks[0]), masks[1]
+            apply_bitmask(logits, bitmask, masked_rows)
         result = self.sampler(logits, rows, groups)
         sampled, logprobs = {}, {}
         for (_, chunk), tokens, lps in zip(
@@ -117,6 +125,25 @@ class ModelRunner:
             if lps:
                 logprobs[chunk.request.request_id] = lps
         return RunnerOutput(sampled, logprobs)
+
+    def _start_masks(
+        self, sampling: Sequence[ScheduledChunk]
+    ) -> tuple[Future[torch.Tensor], list[int]] | None:
+        """Start filling the token masks of the constrained rows (the bitmask's future and
+        the logits rows it covers), or ``None`` when no sampled request is constrained."""
+        if self.structured is None:
+            return None
+        mask_rows, covered, row = [], [], 0
+        for chunk in sampling:
+            num_rows = len(chunk.draft_token_ids) + 1
+            grammar = chunk.request.grammar
+            if grammar is not None:
+                mask_rows.append(MaskRow(grammar, row, chunk.draft_token_ids))
+                covered.extend(range(row, row + num_rows))
+            row += num_rows
+        if not mask_rows:
+            return None
+        return self.structured.start_fill(mask_rows, row), covered
 
     @torch.inference_mode()
     def last_logits(self, chunks: Sequence[ScheduledChunk]) -> torch.Tensor:
@@ -201,7 +228,10 @@ class ModelRunner:
                     prompt_token_ids=request.prompt_token_ids,
                     output_token_ids=outputs,
                     generator=generator,
-                    banned_token_ids=banned_tokens(params, len(outputs), self.eos_token_ids),
+                    # Under a constraint the grammar decides where the output may end.
+                    banned_token_ids=()
+                    if request.grammar is not None
+                    else banned_tokens(params, len(outputs), self.eos_token_ids),
                 )
             )
         return rows

@@ -64,6 +64,8 @@ class Request:
     arrival_time: float = field(default_factory=time.monotonic)
     admitted_time: float | None = None
     """When the scheduler first gave it KV blocks (the end of its queue time)."""
+    grammar: object | None = None
+    """Its structured-output matcher (``tandem.engine.structured``), if constrained."""
     all_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0

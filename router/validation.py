@@ -22,6 +22,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from tandem.common.constraints import check_constraint
 from tandem.common.model_config import ModelConfig
 from tandem.common.sampling_params import SamplingParams
 from tandem.common.tokenizer import ChatTemplateError, Tokenizer
@@ -199,7 +200,10 @@ def validate_sampling(proto: common_pb2.SamplingParams) -> SamplingParams:
         if not math.isfinite(value := getattr(proto, name)):
             raise InvalidRequest(f"sampling.{name}", f"must be a finite number, got {value}")
     try:
-        return sampling_from_proto(proto)
-    except ValueError as err:  # SamplingParams' message starts with the field's name
+        sampling = sampling_from_proto(proto)
+        if sampling.structured is not None:
+            check_constraint(sampling.structured)
+    except ValueError as err:  # the message starts with the field's name
         name, _, problem = str(err).partition(" ")
         raise InvalidRequest(f"sampling.{name}", problem) from err
+    return sampling

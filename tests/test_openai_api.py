@@ -15,6 +15,7 @@ import openai
 import pytest
 
 from tandem.cli.launcher import LocalCluster
+from tandem.common.sampling_params import StructuredKind, StructuredOutput
 from tandem.common.tokenizer import Tokenizer
 from tandem.engine import LLM, SamplingParams
 from tests.cluster_util import cluster_spec, free_port, worker_status
@@ -195,11 +196,9 @@ def test_errors_have_openais_shape_and_status(client: openai.OpenAI, cluster) ->
         client.completions.create(model="no-such-model", prompt="hi", max_tokens=4)
     with pytest.raises(openai.BadRequestError) as unsupported:
         client.chat.completions.create(
-            model=name,
-            messages=[{"role": "user", "content": "hi"}],
-            response_format={"type": "json_object"},
+            model=name, messages=[{"role": "user", "content": "hi"}], logit_bias={"5": 1.0}
         )
-    assert unsupported.value.body["param"] == "response_format"
+    assert unsupported.value.body["param"] == "logit_bias"
     with pytest.raises(openai.BadRequestError) as too_long:
         client.completions.create(model=name, prompt=list(range(600)), max_tokens=4)
     assert too_long.value.body["param"] == "prompt"
@@ -210,6 +209,85 @@ def test_errors_have_openais_shape_and_status(client: openai.OpenAI, cluster) ->
     with pytest.raises(openai.AuthenticationError):
         stranger.models.list()
     assert httpx.get(f"http://127.0.0.1:{port}/health").status_code == 200  # probes need no key
+
+
+SCHEMA = {
+    "type": "object",
+    "properties": {"name": {"type": "string", "maxLength": 10}, "n": {"type": "integer"}},
+    "required": ["name", "n"],
+    "additionalProperties": False,
+}
+
+
+@pytest.mark.parametrize(
+    ("body", "structured"),
+    [
+        (
+            {
+                "response_format": {
+                    "type": "json_schema",
+                    "json_schema": {"name": "p", "schema": SCHEMA},
+                }
+            },
+            StructuredOutput.json_schema(SCHEMA),
+        ),
+        (
+            {"response_format": {"type": "json_object"}},
+            StructuredOutput(StructuredKind.JSON_OBJECT),
+        ),
+        (
+            {"guided_regex": "[a-c]{2,6}-[0-9]{2}"},
+            StructuredOutput(StructuredKind.REGEX, "[a-c]{2,6}-[0-9]{2}"),
+        ),
+        (
+            {"guided_choice": ["yes", "no way"]},
+            StructuredOutput(StructuredKind.REGEX, "(yes)|(no\\ way)"),
+        ),
+        (
+            {"guided_grammar": 'start: "x" NUM\nNUM: /[0-9]{1,4}/\n'},
+            StructuredOutput(StructuredKind.GRAMMAR, 'start: "x" NUM\nNUM: /[0-9]{1,4}/\n'),
+        ),
+    ],
+)
+def test_structured_outputs_through_the_disaggregated_path(
+    client: openai.OpenAI, cluster, offline: LLM, body: dict, structured: StructuredOutput
+) -> None:
+    """The prefill worker's first token obeys the constraint too (the prompt is long
+    enough to be disaggregated): the text equals the offline engine's, token for token."""
+    running, _ = cluster
+    prompt = random_prompts(1, 4096, (30, 40), seed=80)[0]
+    params = SamplingParams(temperature=0, max_tokens=40, structured=structured)
+    (expected,) = offline.generate([prompt], params)
+    answer = client.completions.create(
+        model=running.model_name, prompt=prompt, max_tokens=40, temperature=0, extra_body=body
+    )
+    assert answer.choices[0].text == expected.text
+    assert answer.choices[0].finish_reason == expected.finish_reason
+    streamed = client.completions.create(
+        model=running.model_name, prompt=prompt, max_tokens=40, temperature=0, stream=True,
+        extra_body=body,
+    )  # fmt: skip
+    assert "".join(c.choices[0].text for c in streamed if c.choices) == expected.text
+    if "guided_choice" in body:
+        assert expected.text in ("yes", "no way")
+
+
+def test_structured_output_errors_name_the_field(client: openai.OpenAI, cluster) -> None:
+    running, _ = cluster
+    name = running.model_name
+    cases = [
+        ({"guided_regex": "[0-9"}, "structured.regex"),
+        (
+            {"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
+            "response_format.json_schema.schema",
+        ),
+        ({"response_format": {"type": "xml"}}, "response_format.type"),
+        ({"guided_regex": "a", "guided_choice": ["b"]}, "guided_choice"),
+    ]
+    for body, param in cases:
+        with pytest.raises(openai.BadRequestError) as bad:
+            client.completions.create(model=name, prompt="hi", max_tokens=4, extra_body=body)
+        assert param in bad.value.body["param"], bad.value.body
 
 
 def test_a_client_that_disconnects_frees_the_kv_on_both_workers(cluster) -> None:

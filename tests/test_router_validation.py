@@ -275,3 +275,35 @@ def test_bad_sampling_is_refused_with_the_field_and_reason(
     err = refusal(validator, request(prompt="x", sampling=proto))
     assert str(err).startswith(message)
     assert err.field == message.split(" ")[0]
+
+
+@pytest.mark.parametrize(
+    ("structured", "field", "words"),
+    [
+        (common_pb2.StructuredOutput(regex="[0-9"), "sampling.structured.regex", "not usable"),
+        (
+            common_pb2.StructuredOutput(grammar="start: nothing\n"),
+            "sampling.structured.grammar",
+            "not usable",
+        ),
+        (
+            common_pb2.StructuredOutput(json_schema="{oops"),
+            "sampling.structured.json_schema",
+            "not valid JSON",
+        ),
+    ],
+)
+def test_a_constraint_that_cannot_compile_is_refused_at_the_router(
+    validator: RequestValidator, structured: common_pb2.StructuredOutput, field: str, words: str
+) -> None:
+    request = generation_pb2.GenerateRequest(token_ids=token_ids(5, 6, 7))
+    request.sampling.structured.CopyFrom(structured)
+    error = refusal(validator, request)
+    assert error.field == field and words in str(error)
+
+
+def test_a_usable_constraint_reaches_the_workers_as_sent(validator: RequestValidator) -> None:
+    request = generation_pb2.GenerateRequest(token_ids=token_ids(5, 6, 7))
+    request.sampling.structured.regex = "[a-z]+"
+    validated = validator.validate(request)
+    assert validated.sampling.structured.spec == "[a-z]+"

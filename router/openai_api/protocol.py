@@ -11,6 +11,8 @@ with the same words.
 
 from __future__ import annotations
 
+import json
+import re
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -19,7 +21,7 @@ from tandem.protos import common_pb2, generation_pb2
 
 
 class Unsupported(ValueError):
-    """A request field Tandem does not do (yet); ``param`` names it."""
+    """A request field Tandem does not do (yet), or cannot read; ``param`` names it."""
 
     def __init__(self, param: str, message: str) -> None:
         super().__init__(message)
@@ -54,15 +56,19 @@ class _Sampling(BaseModel):
     include_stop_str_in_output: bool = False
     response_format: dict[str, Any] | None = None
     logit_bias: dict[str, float] | None = None
+    # structured-output extras (vLLM's names): at most one, and not with response_format
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_grammar: str | None = None
+    guided_choice: list[str] | None = None
 
     def _sampling(self, max_tokens: int | None, logprobs: int | None) -> common_pb2.SamplingParams:
-        if self.response_format is not None and self.response_format.get("type") != "text":
-            raise Unsupported(
-                "response_format", "structured outputs (response_format) are not supported yet"
-            )
         if self.logit_bias:
             raise Unsupported("logit_bias", "logit_bias is not supported")
         sampling = common_pb2.SamplingParams(ignore_eos=self.ignore_eos)
+        structured = self._structured()
+        if structured is not None:
+            sampling.structured.CopyFrom(structured)
         optional = {
             "max_tokens": max_tokens,
             "temperature": self.temperature,
@@ -86,6 +92,34 @@ class _Sampling(BaseModel):
             sampling.stop_token_ids.extend(self.stop_token_ids)
         return sampling
 
+    def _structured(self) -> common_pb2.StructuredOutput | None:
+        """The one constraint the body asks for (``response_format`` or a ``guided_*``
+        extra); the router's validator checks that it compiles."""
+        given: list[tuple[str, common_pb2.StructuredOutput]] = []
+        if self.response_format is not None:
+            found = _response_format(self.response_format)
+            if found is not None:
+                given.append(("response_format", found))
+        if self.guided_json is not None:
+            schema = self.guided_json
+            text = schema if isinstance(schema, str) else json.dumps(schema)
+            given.append(("guided_json", common_pb2.StructuredOutput(json_schema=text)))
+        if self.guided_regex is not None:
+            given.append(("guided_regex", common_pb2.StructuredOutput(regex=self.guided_regex)))
+        if self.guided_grammar is not None:
+            given.append(
+                ("guided_grammar", common_pb2.StructuredOutput(grammar=self.guided_grammar))
+            )
+        if self.guided_choice is not None:
+            if not self.guided_choice:
+                raise Unsupported("guided_choice", "guided_choice must list at least one choice")
+            regex = "|".join(f"({re.escape(c)})" for c in self.guided_choice)
+            given.append(("guided_choice", common_pb2.StructuredOutput(regex=regex)))
+        if len(given) > 1:
+            names = " and ".join(name for name, _ in given)
+            raise Unsupported(given[1][0], f"only one structured output constraint: got {names}")
+        return given[0][1] if given else None
+
     def _choices(
         self, base: generation_pb2.GenerateRequest
     ) -> list[generation_pb2.GenerateRequest]:
@@ -103,6 +137,27 @@ class _Sampling(BaseModel):
     @property
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
+
+
+def _response_format(form: dict[str, Any]) -> common_pb2.StructuredOutput | None:
+    kind = form.get("type")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return common_pb2.StructuredOutput(json_object=True)
+    if kind == "json_schema":
+        spec = form.get("json_schema")
+        schema = spec.get("schema") if isinstance(spec, dict) else None
+        if not isinstance(schema, dict | bool):
+            raise Unsupported(
+                "response_format.json_schema.schema",
+                "response_format json_schema needs json_schema.schema, a JSON schema object",
+            )
+        return common_pb2.StructuredOutput(json_schema=json.dumps(schema))
+    raise Unsupported(
+        "response_format.type",
+        f"response_format.type must be text, json_object or json_schema, got {kind!r}",
+    )
 
 
 class CompletionRequest(_Sampling):

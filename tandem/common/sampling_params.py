@@ -8,6 +8,7 @@ written against vLLM's offline API reads the same here.
 from __future__ import annotations
 
 import enum
+import json
 from dataclasses import dataclass, field
 
 MAX_LOGPROBS = 20
@@ -39,6 +40,52 @@ class SpeculativeOptions:
             )
 
 
+class StructuredKind(enum.Enum):
+    JSON_SCHEMA = "json_schema"
+    """``spec`` is a JSON schema (JSON text); the output is JSON matching it."""
+    JSON_OBJECT = "json_object"
+    """Any JSON object (``spec`` is empty)."""
+    REGEX = "regex"
+    """The whole output matches the regular expression ``spec``."""
+    GRAMMAR = "grammar"
+    """``spec`` is a grammar in Lark syntax whose start rule is ``start``."""
+
+
+MAX_STRUCTURED_SPEC_CHARS = 64 * 1024
+
+
+@dataclass(frozen=True)
+class StructuredOutput:
+    """A constraint on the whole output: every token is drawn from the tokens it allows
+    at that point, and the request stops when the output is complete."""
+
+    kind: StructuredKind
+    spec: str = ""
+
+    def __post_init__(self) -> None:
+        if self.kind is StructuredKind.JSON_OBJECT:
+            _check(not self.spec, "structured", "json_object takes no spec")
+            return
+        name = f"structured.{self.kind.value}"
+        _check(bool(self.spec.strip()), name, "must not be empty")
+        _check(
+            len(self.spec) <= MAX_STRUCTURED_SPEC_CHARS,
+            name,
+            f"is {len(self.spec)} characters; the limit is {MAX_STRUCTURED_SPEC_CHARS}",
+        )
+        if self.kind is StructuredKind.JSON_SCHEMA:
+            try:
+                schema = json.loads(self.spec)
+            except json.JSONDecodeError as err:
+                raise ValueError(f"{name} is not valid JSON: {err}") from None
+            _check(isinstance(schema, dict | bool), name, "must be a JSON object (or true/false)")
+
+    @classmethod
+    def json_schema(cls, schema: str | dict) -> StructuredOutput:
+        text = schema if isinstance(schema, str) else json.dumps(schema)
+        return cls(StructuredKind.JSON_SCHEMA, text)
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """How to pick each next token and when to stop.
@@ -66,6 +113,8 @@ class SamplingParams:
     logprobs: int | None = None
     skip_special_tokens: bool = True
     speculative: SpeculativeOptions = field(default_factory=SpeculativeOptions)
+    structured: StructuredOutput | None = None
+    """Constrained decoding (``None``: free text)."""
 
     def __post_init__(self) -> None:
         # Accept lists (and a bare string for `stop`) from callers; store tuples.

@@ -9,7 +9,13 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Protocol
 
-from tandem.common.sampling_params import SamplingParams, SpecMethod, SpeculativeOptions
+from tandem.common.sampling_params import (
+    SamplingParams,
+    SpecMethod,
+    SpeculativeOptions,
+    StructuredKind,
+    StructuredOutput,
+)
 from tandem.protos import common_pb2
 
 _OPTIONAL_FIELDS = (
@@ -56,8 +62,28 @@ def sampling_from_proto(msg: common_pb2.SamplingParams) -> SamplingParams:
         stop=tuple(msg.stop),
         stop_token_ids=tuple(msg.stop_token_ids),
         speculative=_speculative_from_proto(msg.speculative),
+        structured=_structured_from_proto(msg),
         **kwargs,
     )
+
+
+def _structured_from_proto(msg: common_pb2.SamplingParams) -> StructuredOutput | None:
+    if not msg.HasField("structured"):
+        return None
+    which = msg.structured.WhichOneof("constraint")
+    if which is None:
+        return None
+    if which == "json_object":
+        if not msg.structured.json_object:
+            return None
+        return StructuredOutput(StructuredKind.JSON_OBJECT)
+    return StructuredOutput(StructuredKind(which), getattr(msg.structured, which))
+
+
+def _structured_to_proto(structured: StructuredOutput) -> common_pb2.StructuredOutput:
+    if structured.kind is StructuredKind.JSON_OBJECT:
+        return common_pb2.StructuredOutput(json_object=True)
+    return common_pb2.StructuredOutput(**{structured.kind.value: structured.spec})
 
 
 def _speculative_from_proto(msg: common_pb2.SpeculativeParams) -> SpeculativeOptions:
@@ -85,6 +111,8 @@ def sampling_to_proto(params: SamplingParams) -> common_pb2.SamplingParams:
         stop_token_ids=list(params.stop_token_ids),
         speculative=_speculative_to_proto(params.speculative),
     )
+    if params.structured is not None:
+        msg.structured.CopyFrom(_structured_to_proto(params.structured))
     for name in _PLAIN_FIELDS:
         setattr(msg, name, getattr(params, name))
     for name in _OPTIONAL_FIELDS:
