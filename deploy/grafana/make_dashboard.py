@@ -1,7 +1,7 @@
 """Writes ``tandem.json``, the Grafana dashboard of Tandem's metrics, from the panel
-list below (edit here, then ``python deploy/grafana/make_dashboard.py``; a test checks
-the committed JSON is this script's output and that every query runs on a real
-Prometheus scraping a real cluster).
+list below, and its copy in the Helm chart (edit here, then ``python
+deploy/grafana/make_dashboard.py``; tests check both files are this script's output and
+that every query runs on a real Prometheus scraping a real cluster).
 
 Variables: ``datasource`` (a Prometheus data source) and ``model`` (``model_name``).
 Every panel is a time series of PromQL over the ``tandem:`` families
@@ -14,6 +14,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 OUT = Path(__file__).with_name("tandem.json")
+CHART_COPY = Path(__file__).parents[1] / "helm" / "tandem" / "dashboards" / "tandem.json"
+"""The same file inside the chart (Helm reads only files under the chart)."""
 SEL = 'model_name=~"$model"'
 
 
@@ -313,5 +315,6 @@ def render() -> str:
 
 
 if __name__ == "__main__":
-    OUT.write_text(render())
-    print(f"wrote {OUT}")
+    for path in (OUT, CHART_COPY):
+        path.write_text(render())
+        print(f"wrote {path}")
