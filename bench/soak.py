@@ -51,7 +51,7 @@ from tandem.cli.launcher import ClusterSpec, LocalCluster
 from tandem.common.client import AsyncGenerationClient, build_request
 from tandem.common.metrics import Scrape
 from tandem.common.redis_server import EmbeddedRedis
-from tandem.protos import common_pb2, worker_pb2, worker_pb2_grpc
+from tandem.protos import common_pb2, worker_pb2
 
 FAULT_KINDS = (
     "kill9-decode",
@@ -325,13 +325,7 @@ class Soak:
             time.sleep(0.5)
 
     def _status(self, name: str) -> worker_pb2.WorkerStatus:
-        stub = (
-            worker_pb2_grpc.PrefillWorkerStub
-            if name.startswith("prefill")
-            else worker_pb2_grpc.DecodeWorkerStub
-        )
-        with self.cluster.worker_channel(name) as channel:
-            return stub(channel).GetStatus(worker_pb2.StatusRequest(), timeout=10)
+        return self.cluster.worker_status(name)
 
 
 def rss_mb(pids: dict[str, int]) -> dict[str, float]:

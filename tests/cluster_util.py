@@ -12,7 +12,7 @@ from pathlib import Path
 from tandem.cli.launcher import ClusterSpec, LocalCluster
 from tandem.common.client import AsyncGenerationClient, build_request
 from tandem.common.wire import FINISH_REASON_FROM_PROTO
-from tandem.protos import common_pb2, worker_pb2, worker_pb2_grpc
+from tandem.protos import common_pb2, worker_pb2
 
 
 @dataclass(frozen=True)
@@ -57,16 +57,8 @@ async def _collect(client, prompt, sampling, timeout_s) -> Completion:
 
 
 def worker_status(cluster: LocalCluster, name: str) -> worker_pb2.WorkerStatus:
-    """``GetStatus`` of worker ``name`` (address from its READY line; mTLS when the
-    cluster runs it)."""
-    with cluster.worker_channel(name) as channel:
-        role = name.split("-")[0]
-        stub = (
-            worker_pb2_grpc.PrefillWorkerStub
-            if role == "prefill"
-            else worker_pb2_grpc.DecodeWorkerStub
-        )(channel)
-        return stub.GetStatus(worker_pb2.StatusRequest(), timeout=10)
+    """``GetStatus`` of worker ``name`` (mTLS when the cluster runs it)."""
+    return cluster.worker_status(name)
 
 
 def cluster_spec(
@@ -83,3 +75,22 @@ def cluster_spec(
         "log_dir": log_dir,
     }
     return ClusterSpec(**(fields | overrides))
+
+
+def router_options(model_dir: Path, redis_url: str, name: str, **overrides: object):
+    """An in-process router on a free port, round robin on both pools, under a registry
+    namespace (model name) of its own; ``overrides`` are further ``RouterOptions`` fields."""
+    import uuid
+
+    from tandem.router.main import RouterOptions
+    from tandem.router.routing.policy import PolicyName
+
+    fields: dict[str, object] = {
+        "model_dir": str(model_dir),
+        "model_name": f"{name}-{uuid.uuid4().hex[:8]}",
+        "redis_url": redis_url,
+        "port": 0,
+        "prefill_policy": PolicyName.ROUND_ROBIN,
+        "decode_policy": PolicyName.ROUND_ROBIN,
+    }
+    return RouterOptions(**(fields | overrides))

@@ -14,8 +14,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from tandem.common.client import AsyncGenerationClient, build_request
 from tandem.router.auth import ApiKeys
-from tandem.router.main import RouterOptions, RouterState, run
-from tandem.router.routing.policy import PolicyName
+from tandem.router.main import RouterState, run
+from tests.cluster_util import router_options
 
 KEY = "sk-test-" + uuid.uuid4().hex
 
@@ -37,13 +37,10 @@ def test_keys_come_from_flags_files_and_the_environment(tmp_path: Path) -> None:
 def test_calls_need_a_valid_key_and_probes_do_not(
     make_checkpoint: Callable[..., Path], redis_url: str, caplog: pytest.LogCaptureFixture
 ) -> None:
-    options = RouterOptions(
-        model_dir=str(make_checkpoint("llama")),
-        model_name=f"keys-{uuid.uuid4().hex[:8]}",
-        redis_url=redis_url,
-        port=0,
-        prefill_policy=PolicyName.ROUND_ROBIN,
-        decode_policy=PolicyName.ROUND_ROBIN,
+    options = router_options(
+        make_checkpoint("llama"),
+        redis_url,
+        "keys",
         api_keys=ApiKeys([KEY, "another-key"]),
     )
 

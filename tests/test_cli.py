@@ -40,6 +40,7 @@ def test_every_flag_of_every_command_has_help_text() -> None:
         "router",
         "prefill-worker",
         "decode-worker",
+        "planner",
         "generate",
         "make-model",
         "certs",

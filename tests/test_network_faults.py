@@ -23,10 +23,10 @@ from pathlib import Path
 import grpc
 import pytest
 
-from tandem.common.client import AsyncGenerationClient, build_request
+from tandem.common.client import AsyncGenerationClient, build_request, worker_status
 from tandem.common.redis_server import find_redis_binary
 from tandem.engine import LLM, SamplingParams
-from tandem.protos import common_pb2, worker_pb2, worker_pb2_grpc
+from tandem.protos import common_pb2, worker_pb2
 from tests.cluster_util import free_port
 from tests.hf_reference import random_prompts
 from tests.netns_util import Lab, LabUnavailable, check_privileges, network_lab
@@ -162,10 +162,8 @@ def _wait_serving(address: str, timeout_s: float = 60) -> None:
 
 
 def _status(component: Component, role: str) -> worker_pb2.WorkerStatus:
-    stub = worker_pb2_grpc.PrefillWorkerStub if role == "prefill" else None
-    stub = stub or worker_pb2_grpc.DecodeWorkerStub
     with grpc.insecure_channel(component.address) as channel:
-        return stub(channel).GetStatus(worker_pb2.StatusRequest(), timeout=10)
+        return worker_status(channel, role)
 
 
 async def _one(client: AsyncGenerationClient, prompt: list[int]) -> tuple[str, list[int]]:

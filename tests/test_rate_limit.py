@@ -12,9 +12,9 @@ import pytest
 
 from tandem.common.client import AsyncGenerationClient, build_request
 from tandem.router.auth import ApiKeys
-from tandem.router.main import RouterOptions, RouterState, run
+from tandem.router.main import RouterState, run
 from tandem.router.rate_limit import RateLimit, RateLimiter
-from tandem.router.routing.policy import PolicyName
+from tests.cluster_util import router_options
 
 
 def test_two_replicas_draw_from_one_bucket_per_key(redis_url: str, prefix: str) -> None:
@@ -48,13 +48,10 @@ def test_a_router_refuses_calls_over_a_keys_rate_with_a_retry_hint(
     make_checkpoint: Callable[..., Path], redis_url: str
 ) -> None:
     key = f"sk-{uuid.uuid4().hex}"
-    options = RouterOptions(
-        model_dir=str(make_checkpoint("llama")),
-        model_name=f"rate-{uuid.uuid4().hex[:8]}",
-        redis_url=redis_url,
-        port=0,
-        prefill_policy=PolicyName.ROUND_ROBIN,
-        decode_policy=PolicyName.ROUND_ROBIN,
+    options = router_options(
+        make_checkpoint("llama"),
+        redis_url,
+        "rate",
         api_keys=ApiKeys([key]),
         rate_limit=RateLimit(rate=1.0, burst=2),
     )

@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import datetime
 import ipaddress
-import uuid
 from collections.abc import Callable
 from pathlib import Path
 
@@ -14,8 +13,8 @@ import pytest
 
 from tandem.common.client import AsyncGenerationClient
 from tandem.common.tls import TLSFiles
-from tandem.router.main import RouterOptions, RouterState, run
-from tandem.router.routing.policy import PolicyName
+from tandem.router.main import RouterState, run
+from tests.cluster_util import router_options
 
 x509 = pytest.importorskip("cryptography.x509", reason="cryptography (test extra) not installed")
 
@@ -63,13 +62,10 @@ def test_a_router_serving_tls_answers_only_clients_that_trust_it(
 ) -> None:
     certfile, keyfile = _self_signed(tmp_path, "router")
     stranger, _ = _self_signed(tmp_path, "stranger")
-    options = RouterOptions(
-        model_dir=str(make_checkpoint("llama")),
-        model_name=f"tls-{uuid.uuid4().hex[:8]}",
-        redis_url=redis_url,
-        port=0,
-        prefill_policy=PolicyName.ROUND_ROBIN,
-        decode_policy=PolicyName.ROUND_ROBIN,
+    options = router_options(
+        make_checkpoint("llama"),
+        redis_url,
+        "tls",
         tls=TLSFiles(certfile, keyfile),
     )
 

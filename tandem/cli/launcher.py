@@ -26,10 +26,10 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from tandem.cli.options import CommandError
-from tandem.common.client import auth_metadata
+from tandem.common.client import auth_metadata, worker_status
 from tandem.common.redis_server import EmbeddedRedis, free_port
 from tandem.common.tls import InternalTLS, internal_sync_channel
-from tandem.protos import generation_pb2, generation_pb2_grpc
+from tandem.protos import generation_pb2, generation_pb2_grpc, worker_pb2
 
 if TYPE_CHECKING:
     from tandem.tools.certs import IssuedCerts
@@ -131,6 +131,11 @@ class LocalCluster:
     def worker_channel(self, name: str) -> grpc.Channel:
         """A blocking channel to a worker, presenting the router's certificate under mTLS."""
         return internal_sync_channel(self.worker_address(name), self._internal_tls("router"))
+
+    def worker_status(self, name: str) -> worker_pb2.WorkerStatus:
+        """``GetStatus`` of worker ``name`` (``prefill-0``, ``decode-1``, ...)."""
+        with self.worker_channel(name) as channel:
+            return worker_status(channel, name.split("-")[0])
 
     @property
     def router_address(self) -> str:
@@ -246,6 +251,31 @@ class LocalCluster:
             request = generation_pb2.ListModelsRequest()
             models = stub.ListModels(request, timeout=10.0, metadata=auth_metadata(self.api_key))
             return models.models[0]
+
+    def workers(self, role: str) -> list[str]:
+        """Names of the running workers of ``role``, oldest first."""
+        return sorted(
+            (n for n in self.children if n.startswith(f"{role}-")),
+            key=lambda n: int(n.rsplit("-", 1)[1]),
+        )
+
+    def scale(self, role: str, replicas: int, timeout_s: float = 180.0) -> None:
+        """Add workers of ``role`` (ready before this returns) or retire the newest: a
+        retired worker is sent SIGTERM, so it leaves the registry and drains its streams
+        (what it cannot finish moves to a peer) before it exits; it is not restarted."""
+        if replicas < 0:
+            raise ValueError(f"replicas must be >= 0, got {replicas}")
+        current = self.workers(role)
+        if replicas > len(current):
+            used = [int(n.rsplit("-", 1)[1]) for n in current]
+            start = max(used, default=-1) + 1
+            names = [f"{role}-{start + i}" for i in range(replicas - len(current))]
+            for name in names:
+                self.start_worker(role, name)
+            self.wait_ready(names, timeout_s)
+        for name in reversed(current[replicas:]):
+            self.kill(name, signal.SIGTERM)
+            self.metrics_ports.pop(name, None)
 
     def kill(self, name: str, sig: int = signal.SIGKILL) -> None:
         child = self.children.pop(name)

@@ -8,13 +8,16 @@ start. Without ``--model`` it serves the default model, the trained target shipp
 from __future__ import annotations
 
 import argparse
+import contextlib
 import signal
 import sys
 import threading
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from tandem.cli.options import LOG_LEVELS, SPECULATIVE_METHODS, add_command, positive_int
+from tandem.cli.planner import add_planner_options, planner_config
 
 if TYPE_CHECKING:
     from tandem.cli.launcher import ClusterSpec, LocalCluster
@@ -65,6 +68,13 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         default=[],
         help="a key the router requires (repeatable; also $TANDEM_API_KEYS, comma-separated)",
     )
+    serve.add_argument(
+        "--planner",
+        action="store_true",
+        help="run the SLO planner on this cluster: it adds and drains workers per pool "
+        "against --ttft-p99 / --tpot-p99 (see the planner flags)",
+    )
+    add_planner_options(serve)
     serve.add_argument(
         "--log-level",
         default="INFO",
@@ -169,9 +179,45 @@ def _run(args: argparse.Namespace) -> int:
             _demo(cluster)
             _print_speculation(cluster)
             return 0
-        _wait_for_ctrl_c()
+        if args.planner:
+            with _planner(cluster, planner_config(args), args.planner_interval):
+                wait_for_signal()
+        else:
+            wait_for_signal()
         print("stopping")
     return 0
+
+
+@contextlib.contextmanager
+def _planner(cluster: LocalCluster, config, interval_s: float) -> Iterator[None]:
+    """The SLO planner on its own thread, scaling ``cluster``'s pools."""
+    from tandem.planner.actuators import LocalClusterActuator
+    from tandem.planner.loop import Endpoints, Planner
+
+    def endpoints() -> Endpoints:
+        url = f"http://{cluster.spec.host}:{{}}/metrics".format
+        ports = cluster.metrics_ports
+        return Endpoints(
+            url(ports["router"]),
+            [url(ports[n]) for n in cluster.workers("prefill") if n in ports],
+            [url(ports[n]) for n in cluster.workers("decode") if n in ports],
+        )
+
+    planner = Planner(config, LocalClusterActuator(cluster), endpoints, cluster.model_name)
+    stop = threading.Event()
+    thread = threading.Thread(target=planner.run, args=(interval_s, stop), name="planner")
+    thread.start()
+    print(
+        f"planner on: TTFT p99 <= {config.ttft_p99_s:g} s, TPOT p99 <= {config.tpot_p99_s:g} s, "
+        f"prefill {config.prefill.min_replicas}-{config.prefill.max_replicas}, "
+        f"decode {config.decode.min_replicas}-{config.decode.max_replicas}",
+        flush=True,
+    )
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join(timeout=60)
 
 
 def check_flags(spec: ClusterSpec) -> None:
@@ -282,7 +328,8 @@ def _print_speculation(cluster: LocalCluster) -> None:
             )
 
 
-def _wait_for_ctrl_c() -> None:
+def wait_for_signal() -> None:
+    """Until SIGINT or SIGTERM."""
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())

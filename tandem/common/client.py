@@ -21,7 +21,13 @@ from types import TracebackType
 
 import grpc
 
-from tandem.protos import common_pb2, generation_pb2, generation_pb2_grpc
+from tandem.protos import (
+    common_pb2,
+    generation_pb2,
+    generation_pb2_grpc,
+    worker_pb2,
+    worker_pb2_grpc,
+)
 
 
 @dataclass(frozen=True)
@@ -221,3 +227,15 @@ class StreamClock:
             finished_at=self._clock(),
             num_tokens=self._num_tokens,
         )
+
+
+def worker_status(
+    channel: grpc.Channel, role: str, timeout_s: float = 10.0
+) -> worker_pb2.WorkerStatus:
+    """A worker's ``GetStatus`` over a blocking channel; ``role``: ``prefill`` or ``decode``."""
+    if role not in ("prefill", "decode"):
+        raise ValueError(f"role must be prefill or decode, got {role!r}")
+    stub = (
+        worker_pb2_grpc.PrefillWorkerStub if role == "prefill" else worker_pb2_grpc.DecodeWorkerStub
+    )
+    return stub(channel).GetStatus(worker_pb2.StatusRequest(), timeout=timeout_s)

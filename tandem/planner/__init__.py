@@ -1,0 +1,1 @@
+"""The SLO planner: how many prefill and decode replicas to run (``tandem planner``)."""

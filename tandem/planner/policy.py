@@ -1,0 +1,236 @@
+"""How many prefill and decode replicas to run: a capacity model calibrated from what the
+replicas measurably do, a forecast for the time a new replica takes to start, and a
+decider with hysteresis, cooldowns and bounds.
+
+**Prefill pool** (time to first token): load = prompt tokens per second that must be
+computed (arrivals less prefix-cache hits); capacity = one replica's computed tokens per
+second of engine busy time (measured), planned at ``target_busy`` so queues stay short
+under the TTFT target. **Decode pool** (time per output token): load = sequences running
+or waiting; capacity = sequences one replica holds at the TPOT target, estimated from the
+sequences it runs now and the TPOT it gives them (``running x target / observed``: under
+the target this errs low, i.e. towards more replicas). Both forecasts add the load's
+rising trend over ``lead_s`` (Holt's linear smoothing), because a replica takes minutes to
+start; a falling trend is ignored, so the pools shrink on what is, not on what may be. An
+SLO already broken adds a replica whatever the model says.
+
+The decider moves at most ``max_step_up`` up at once, one down at a time, only after the
+lower count was wanted for ``down_stable_s``, and never within the cooldowns. Scaling
+down is always a drain (the actuator's job): no request is lost.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from tandem.planner.signals import Signals
+
+
+@dataclass(frozen=True)
+class PoolBounds:
+    min_replicas: int = 1
+    max_replicas: int = 8
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.min_replicas <= self.max_replicas:
+            raise ValueError(
+                f"replica bounds must satisfy 0 <= min <= max, got {self.min_replicas}, "
+                f"{self.max_replicas}"
+            )
+
+    def clamp(self, n: int) -> int:
+        return max(self.min_replicas, min(self.max_replicas, n))
+
+
+@dataclass(frozen=True)
+class PlannerConfig:
+    ttft_p99_s: float = 2.0
+    """The time-to-first-token target (prefill pool)."""
+    tpot_p99_s: float = 0.1
+    """The time-per-output-token target (decode pool)."""
+    prefill: PoolBounds = field(default_factory=PoolBounds)
+    decode: PoolBounds = field(default_factory=PoolBounds)
+    target_busy: float = 0.7
+    """Prefill replicas are planned to be busy this share of the time at the forecast."""
+    lead_s: float = 120.0
+    """How far ahead to forecast: about the time a new replica takes to serve."""
+    scale_up_cooldown_s: float = 30.0
+    scale_down_cooldown_s: float = 120.0
+    down_stable_s: float = 60.0
+    """A lower count must have been wanted this long before a replica is drained."""
+    max_step_up: int = 4
+    prefill_tokens_per_s: float | None = None
+    """Prior for one prefill replica's computed tokens per busy second (until measured)."""
+    decode_seqs_per_replica: float | None = None
+    """Prior for the sequences one decode replica holds at the TPOT target."""
+    smoothing: float = 0.3
+    """Weight of a new measurement in the calibration and the forecast (0-1]."""
+
+    def __post_init__(self) -> None:
+        for name in ("ttft_p99_s", "tpot_p99_s", "lead_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        if not 0 < self.target_busy <= 1:
+            raise ValueError(f"target_busy must be in (0, 1], got {self.target_busy}")
+        if not 0 < self.smoothing <= 1:
+            raise ValueError(f"smoothing must be in (0, 1], got {self.smoothing}")
+        if self.max_step_up < 1:
+            raise ValueError(f"max_step_up must be >= 1, got {self.max_step_up}")
+
+
+class Forecast:
+    """Holt's linear smoothing of one load signal: level and trend per second."""
+
+    def __init__(self, alpha: float) -> None:
+        self.alpha = alpha
+        self.level: float | None = None
+        self.trend = 0.0
+
+    def observe(self, value: float, dt: float) -> None:
+        if self.level is None:
+            self.level = value
+            return
+        previous = self.level
+        self.level = self.alpha * value + (1 - self.alpha) * (previous + self.trend * dt)
+        slope = (self.level - previous) / dt if dt > 0 else 0.0
+        self.trend = self.alpha * slope + (1 - self.alpha) * self.trend
+
+    def ahead(self, lead_s: float) -> float:
+        """The level plus the rising part of the trend over ``lead_s``."""
+        if self.level is None:
+            return 0.0
+        return max(0.0, self.level + max(0.0, self.trend) * lead_s)
+
+
+class _Ewma:
+    def __init__(self, alpha: float, prior: float | None) -> None:
+        self.alpha, self.value = alpha, prior
+
+    def observe(self, sample: float | None) -> None:
+        if sample is None or not math.isfinite(sample) or sample <= 0:
+            return
+        self.value = (
+            sample if self.value is None else (self.alpha * sample + (1 - self.alpha) * self.value)
+        )
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """The model's answer for one pool, with what it was computed from."""
+
+    pool: str
+    current: int
+    wanted: int
+    load: float
+    forecast: float
+    capacity_per_replica: float | None
+    slo_broken: bool
+
+
+@dataclass(frozen=True)
+class Decision:
+    pool: str
+    current: int
+    wanted: int
+    target: int
+    reason: str
+    estimate: Estimate
+
+    @property
+    def changes(self) -> bool:
+        return self.target != self.current
+
+
+class CapacityModel:
+    def __init__(self, config: PlannerConfig) -> None:
+        self.config = config
+        a = config.smoothing
+        self.prefill_tps = _Ewma(a, config.prefill_tokens_per_s)
+        self.decode_seqs = _Ewma(a, config.decode_seqs_per_replica)
+        self.prefill_load = Forecast(a)
+        self.decode_load = Forecast(a)
+
+    def observe(self, s: Signals) -> None:
+        c = self.config
+        self.prefill_tps.observe(s.prefill.tokens_per_busy_second)
+        per_replica = s.decode.running / max(1, s.decode.replicas)
+        if s.tpot_p50 and per_replica >= 1:
+            self.decode_seqs.observe(
+                per_replica * c.tpot_p99_s / s.tpot_p99 if s.tpot_p99 else None
+            )
+        computed_share = 1.0
+        if s.prefill.tokens_per_busy_second is not None and s.prompt_token_rate > 0:
+            busy_tokens = s.prefill.tokens_per_busy_second * s.prefill.busy * s.prefill.replicas
+            computed_share = min(1.0, busy_tokens / s.prompt_token_rate)
+        self.prefill_load.observe(s.prompt_token_rate * computed_share, s.interval_s)
+        self.decode_load.observe(s.decode.running + s.decode.waiting, s.interval_s)
+
+    def estimate(self, s: Signals) -> tuple[Estimate, Estimate]:
+        c = self.config
+        lead = c.lead_s
+        prefill_forecast = self.prefill_load.ahead(lead)
+        tps = self.prefill_tps.value
+        prefill_wanted = (
+            math.ceil(prefill_forecast / (tps * c.target_busy)) if tps else s.prefill.replicas
+        )
+        ttft_broken = s.ttft_p99 is not None and s.ttft_p99 > c.ttft_p99_s
+        if ttft_broken and (s.prefill.queued_prefill_tokens > 0 or s.prefill.busy > c.target_busy):
+            prefill_wanted = max(prefill_wanted, s.prefill.replicas + 1)
+        decode_forecast = self.decode_load.ahead(lead)
+        seqs = self.decode_seqs.value
+        decode_wanted = math.ceil(decode_forecast / seqs) if seqs else s.decode.replicas
+        tpot_broken = s.tpot_p99 is not None and s.tpot_p99 > c.tpot_p99_s
+        if tpot_broken:
+            decode_wanted = max(decode_wanted, s.decode.replicas + 1)
+        return (
+            Estimate(
+                "prefill", s.prefill.replicas, c.prefill.clamp(prefill_wanted),
+                self.prefill_load.level or 0.0, prefill_forecast, tps, ttft_broken,
+            ),
+            Estimate(
+                "decode", s.decode.replicas, c.decode.clamp(decode_wanted),
+                self.decode_load.level or 0.0, decode_forecast, seqs, tpot_broken,
+            ),
+        )  # fmt: skip
+
+
+class Decider:
+    """Hysteresis and cooldowns over the model's wanted counts, per pool."""
+
+    def __init__(self, config: PlannerConfig, clock: Callable[[], float] = time.monotonic) -> None:
+        self.config = config
+        self.clock = clock
+        self._last_change: dict[str, float] = {}
+        self._lower_since: dict[str, float] = {}
+
+    def decide(self, estimate: Estimate) -> Decision:
+        c, now, pool = self.config, self.clock(), estimate.pool
+        current, wanted = estimate.current, estimate.wanted
+        since_change = now - self._last_change.get(pool, -math.inf)
+        if wanted > current:
+            self._lower_since.pop(pool, None)
+            if since_change < c.scale_up_cooldown_s:
+                return self._keep(estimate, f"up-cooldown ({since_change:.0f} s)")
+            target = min(wanted, current + c.max_step_up)
+            return self._change(estimate, target, "slo" if estimate.slo_broken else "load")
+        if wanted < current:
+            lower_since = self._lower_since.setdefault(pool, now)
+            if now - lower_since < c.down_stable_s:
+                return self._keep(estimate, f"lower for {now - lower_since:.0f} s")
+            if since_change < c.scale_down_cooldown_s:
+                return self._keep(estimate, f"down-cooldown ({since_change:.0f} s)")
+            return self._change(estimate, current - 1, "load")
+        self._lower_since.pop(pool, None)
+        return self._keep(estimate, "steady")
+
+    def _keep(self, estimate: Estimate, reason: str) -> Decision:
+        return Decision(
+            estimate.pool, estimate.current, estimate.wanted, estimate.current, reason, estimate
+        )
+
+    def _change(self, estimate: Estimate, target: int, reason: str) -> Decision:
+        self._last_change[estimate.pool] = self.clock()
+        self._lower_since.pop(estimate.pool, None)
+        return Decision(estimate.pool, estimate.current, estimate.wanted, target, reason, estimate)

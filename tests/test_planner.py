@@ -1,0 +1,256 @@
+"""The SLO planner: percentiles read from histogram deltas as Prometheus would, the
+forecast, the capacity model and the decider's hysteresis on synthetic intervals (a
+fake clock: cooldowns are minutes), and the whole loop on a real cluster, where it adds a
+decode worker under load it cannot serve within the TPOT target and drains it away again
+when the load is gone, with every request answered."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import threading
+from collections.abc import Callable
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from tandem.cli.launcher import LocalCluster
+from tandem.common.metrics import Scrape
+from tandem.planner.actuators import DryRun, LocalClusterActuator
+from tandem.planner.loop import Endpoints, Planner
+from tandem.planner.policy import (
+    CapacityModel,
+    Decider,
+    Estimate,
+    Forecast,
+    PlannerConfig,
+    PoolBounds,
+)
+from tandem.planner.signals import PoolSignals, Signals, histogram_quantile
+from tandem.protos import common_pb2
+from tests.cluster_util import cluster_spec, complete_all
+from tests.hf_reference import random_prompts
+
+
+def histogram_text(counts: dict[str, int]) -> str:
+    lines = ["# TYPE tandem:time_to_first_token_seconds histogram"]
+    for le, n in counts.items():
+        lines.append(f'tandem:time_to_first_token_seconds_bucket{{le="{le}",role="router"}} {n}')
+    lines.append(f'tandem:time_to_first_token_seconds_count{{role="router"}} {counts["+Inf"]}')
+    return "\n".join(lines) + "\n"
+
+
+def test_quantiles_come_from_the_observations_between_two_scrapes() -> None:
+    before = Scrape(histogram_text({"0.1": 10, "0.5": 10, "1.0": 10, "+Inf": 10}))
+    # 100 new observations: 50 in (0.1, 0.5], 50 in (0.5, 1.0].
+    after = Scrape(histogram_text({"0.1": 10, "0.5": 60, "1.0": 110, "+Inf": 110}))
+    assert histogram_quantile(0.5, before, after, "time_to_first_token_seconds") == 0.5
+    p90 = histogram_quantile(0.9, before, after, "time_to_first_token_seconds")
+    assert p90 == pytest.approx(0.5 + 0.5 * (40 / 50))
+    assert histogram_quantile(0.5, after, after, "time_to_first_token_seconds") is None
+
+
+def test_the_forecast_looks_ahead_on_a_rise_only() -> None:
+    rising, falling = Forecast(0.5), Forecast(0.5)
+    for t in range(20):
+        rising.observe(10.0 + 2.0 * t, 1.0)
+        falling.observe(50.0 - 2.0 * t, 1.0)
+    assert rising.trend == pytest.approx(2.0, rel=0.2)
+    assert rising.ahead(30) > rising.level + 40
+    assert falling.ahead(30) == pytest.approx(falling.level)
+
+
+def pool(replicas: int, running: float = 0, busy: float = 0.5, tps: float | None = None):
+    return PoolSignals(replicas, running, 0, 0, busy, tps, 0.1)
+
+
+def interval(
+    prompt_rate: float = 0.0,
+    decode_running: float = 0,
+    tpot: float | None = None,
+    ttft: float | None = None,
+    prefill_tps: float | None = None,
+    replicas: tuple[int, int] = (1, 1),
+) -> Signals:
+    busy = min(1.0, prompt_rate / (prefill_tps * replicas[0])) if prefill_tps else 0.0
+    return Signals(
+        10.0, prompt_rate / 100, prompt_rate, 0.0, ttft, ttft, tpot, tpot, 100.0, 50.0,
+        pool(replicas[0], busy=busy, tps=prefill_tps), pool(replicas[1], running=decode_running),
+    )  # fmt: skip
+
+
+def test_prefill_is_sized_by_prompt_tokens_against_measured_throughput() -> None:
+    config = PlannerConfig(target_busy=0.7, prefill=PoolBounds(1, 16), smoothing=1.0)
+    model = CapacityModel(config)
+    s = interval(prompt_rate=10_000, prefill_tps=5_000, replicas=(2, 1))
+    model.observe(s)
+    prefill, _ = model.estimate(s)
+    assert prefill.capacity_per_replica == 5_000
+    assert prefill.wanted == math.ceil(10_000 / (5_000 * 0.7)) == 3
+
+
+def test_decode_is_sized_by_sequences_at_the_tpot_target() -> None:
+    config = PlannerConfig(tpot_p99_s=0.05, decode=PoolBounds(1, 16), smoothing=1.0)
+    model = CapacityModel(config)
+    # 2 replicas run 40 sequences at 0.04 s per token: 20 each, 25 at the target.
+    s = interval(decode_running=40, tpot=0.04, replicas=(1, 2))
+    model.observe(s)
+    _, decode = model.estimate(s)
+    assert decode.capacity_per_replica == pytest.approx(25.0)
+    assert decode.wanted == 2
+    # Twice the sequences, tokens twice as slow: 80 sequences need 4 replicas of 25.
+    s = interval(decode_running=80, tpot=0.08, replicas=(1, 2))
+    model = CapacityModel(config)
+    model.observe(s)
+    assert model.estimate(s)[1].wanted == 4
+
+
+def test_a_broken_slo_adds_a_replica_before_anything_is_calibrated() -> None:
+    model = CapacityModel(PlannerConfig(tpot_p99_s=0.05))
+    s = interval(decode_running=0.5, tpot=0.2, replicas=(1, 1))  # nothing to calibrate on
+    model.observe(s)
+    _, decode = model.estimate(s)
+    assert decode.slo_broken and decode.wanted == 2
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def estimate(current: int, wanted: int) -> Estimate:
+    return Estimate("decode", current, wanted, 0.0, 0.0, None, False)
+
+
+def test_the_decider_steps_up_fast_and_down_slowly() -> None:
+    clock = Clock()
+    config = PlannerConfig(
+        scale_up_cooldown_s=30, scale_down_cooldown_s=120, down_stable_s=60, max_step_up=2
+    )
+    decider = Decider(config, clock)
+    up = decider.decide(estimate(1, 6))
+    assert up.target == 3 and up.reason == "load"  # at most max_step_up at once
+    clock.now += 10
+    assert decider.decide(estimate(3, 6)).target == 3  # up-cooldown
+    clock.now += 25
+    assert decider.decide(estimate(3, 6)).target == 5
+    # Down: only once the lower count was wanted for down_stable_s, one at a time,
+    # and never within the down-cooldown of the last change.
+    clock.now += 10
+    assert decider.decide(estimate(5, 1)).target == 5
+    clock.now += 70
+    held = decider.decide(estimate(5, 1))
+    assert held.target == 5 and "down-cooldown" in held.reason
+    clock.now += 60
+    assert decider.decide(estimate(5, 1)).target == 4
+    # A wanted count that flaps back up resets the down timer.
+    clock.now += 200
+    assert decider.decide(estimate(4, 5)).target == 5
+    clock.now += 200
+    assert decider.decide(estimate(5, 2)).target == 5  # lower wanted: timer starts now
+    clock.now += 61
+    assert decider.decide(estimate(5, 2)).target == 4
+
+
+def test_bounds_are_kept() -> None:
+    config = PlannerConfig(decode=PoolBounds(2, 3), smoothing=1.0)
+    model = CapacityModel(config)
+    busy = interval(decode_running=300, tpot=0.2, replicas=(1, 2))
+    model.observe(busy)
+    assert model.estimate(busy)[1].wanted == 3
+    idle = interval(decode_running=0, replicas=(1, 3))
+    model = CapacityModel(replace(config, decode_seqs_per_replica=10.0))
+    model.observe(idle)
+    assert model.estimate(idle)[1].wanted == 2
+    with pytest.raises(ValueError, match="replica bounds"):
+        PoolBounds(3, 2)
+
+
+def test_dry_run_remembers_what_it_would_have_done() -> None:
+    dry = DryRun(prefill=1, decode=1)
+    dry.scale("decode", 3)
+    assert dry.replicas("decode") == 3 and dry.replicas("prefill") == 1
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_the_planner_scales_a_real_decode_pool_up_and_drains_it_down(
+    make_checkpoint: Callable[..., Path], redis_url: str, tmp_path: Path
+) -> None:
+    spec = cluster_spec(
+        make_checkpoint("llama"),
+        redis_url,
+        tmp_path,
+        "planner",
+        worker_args=("--num-kv-blocks", "256", "--max-model-len", "256"),
+        # 20 ms per decode step on decode-0: a TPOT the 5 ms target cannot meet.
+        worker_env={"decode-0": {"TANDEM_FAULTS": "engine.step:delay=0.02"}},
+        metrics_port=0,
+    )
+    config = PlannerConfig(
+        tpot_p99_s=0.005,
+        decode=PoolBounds(1, 2),
+        prefill=PoolBounds(1, 1),
+        decode_seqs_per_replica=8.0,
+        scale_up_cooldown_s=0,
+        scale_down_cooldown_s=0,
+        down_stable_s=0,
+        lead_s=1,
+    )
+    greedy = common_pb2.SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    prompts = random_prompts(8, 200, (20, 40), seed=9)
+    with LocalCluster(spec) as cluster:
+
+        def endpoints() -> Endpoints:
+            url = lambda name: f"http://127.0.0.1:{cluster.metrics_ports[name]}/metrics"  # noqa: E731
+            return Endpoints(
+                url("router"),
+                [url(n) for n in cluster.workers("prefill")],
+                [url(n) for n in cluster.workers("decode")],
+            )
+
+        planner = Planner(config, LocalClusterActuator(cluster), endpoints, cluster.model_name)
+        assert planner.tick() == []  # the first scrape: nothing to compare yet
+        results = asyncio.run(complete_all(cluster.router_address, prompts, greedy))
+        decisions = {d.pool: d for d in planner.tick()}
+        assert decisions["decode"].estimate.slo_broken
+        assert decisions["decode"].target == 2
+        assert cluster.workers("decode") == ["decode-0", "decode-1"]
+        assert decisions["prefill"].target == 1
+        cluster.wait_for_workers(1, 2, timeout_s=30)
+        assert planner.metrics.value("planner_target_replicas", pool="decode") == 2
+        events = planner.metrics.value("planner_scale_events_total", pool="decode", direction="up")
+        assert events == 1
+
+        # The load falls to two streams: the next round wants one decode worker and
+        # drains the newest while they run; both are answered in full.
+        late: list = []
+        streaming = threading.Thread(
+            target=lambda: late.extend(
+                asyncio.run(complete_all(cluster.router_address, prompts[:2], greedy))
+            )
+        )
+        streaming.start()
+        decisions = {d.pool: d for d in planner.tick()}
+        streaming.join(timeout=120)
+        assert decisions["decode"].target == 1, decisions["decode"]
+        assert cluster.workers("decode") == ["decode-0"]
+        cluster.wait_for_workers(1, 1, timeout_s=60)
+        assert [r.finish_reason for r in [*results, *late]] == ["length"] * 10
+
+
+def test_the_planner_command_refuses_impossible_bounds() -> None:
+    import subprocess
+    import sys
+
+    done = subprocess.run(
+        [sys.executable, "-m", "tandem.cli", "planner", "--router-metrics",
+         "http://127.0.0.1:9/metrics", "--min-decode", "3", "--max-decode", "2"],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert done.returncode == 2
+    assert "replica bounds must satisfy 0 <= min <= max, got 3, 2" in done.stderr
