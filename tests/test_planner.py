@@ -243,13 +243,19 @@ def test_the_planner_scales_a_real_decode_pool_up_and_drains_it_down(
         assert [r.finish_reason for r in [*results, *late]] == ["length"] * 10
 
 
-def test_the_planner_command_refuses_impossible_bounds() -> None:
+@pytest.mark.parametrize(
+    "command",
+    [
+        ["planner", "--router-metrics", "http://127.0.0.1:9/metrics"],
+        ["serve", "--planner"],  # refused before anything starts
+    ],
+)
+def test_the_commands_refuse_impossible_bounds(command: list[str]) -> None:
     import subprocess
     import sys
 
     done = subprocess.run(
-        [sys.executable, "-m", "tandem.cli", "planner", "--router-metrics",
-         "http://127.0.0.1:9/metrics", "--min-decode", "3", "--max-decode", "2"],
+        [sys.executable, "-m", "tandem.cli", *command, "--min-decode", "3", "--max-decode", "2"],
         capture_output=True, text=True, timeout=60,
     )  # fmt: skip
     assert done.returncode == 2

@@ -16,7 +16,13 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from tandem.cli.options import LOG_LEVELS, SPECULATIVE_METHODS, add_command, positive_int
+from tandem.cli.options import (
+    LOG_LEVELS,
+    SPECULATIVE_METHODS,
+    add_command,
+    positive_int,
+    setup_logging,
+)
 from tandem.cli.planner import add_planner_options, planner_config
 
 if TYPE_CHECKING:
@@ -161,6 +167,7 @@ def _run(args: argparse.Namespace) -> int:
     except ValueError as err:  # a usage error: nothing was started
         print(f"tandem serve: error: {err}", file=sys.stderr)
         return 2
+    planning = planner_config(args) if args.planner else None  # bad bounds: exit 2 now
     cluster = LocalCluster(spec)
     print(f"starting {spec.num_prefill} prefill + {spec.num_decode} decode workers for {model}")
     with cluster:
@@ -179,8 +186,9 @@ def _run(args: argparse.Namespace) -> int:
             _demo(cluster)
             _print_speculation(cluster)
             return 0
-        if args.planner:
-            with _planner(cluster, planner_config(args), args.planner_interval):
+        if planning is not None:
+            setup_logging(args.log_level)  # the planner logs each change with its inputs
+            with _planner(cluster, planning, args.planner_interval):
                 wait_for_signal()
         else:
             wait_for_signal()
