@@ -175,6 +175,7 @@ async def run(
         metrics_server = MetricsServer(metrics.registry, options.host, options.metrics_port)
         metrics_port = metrics_server.port
         log.info("metrics at http://%s:%d/metrics", options.host, metrics_port)
+        print(f"METRICS {metrics_port}", flush=True)  # for a launcher (before READY)
     if server.health_port is not None:
         log.info("plaintext gRPC health (for probes) at %s:%d", options.host, server.health_port)
     http = None

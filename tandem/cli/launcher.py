@@ -27,7 +27,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from tandem.cli.options import CommandError
 from tandem.common.client import auth_metadata, worker_status
-from tandem.common.redis_server import EmbeddedRedis, free_port
+from tandem.common.redis_server import EmbeddedRedis
 from tandem.common.tls import InternalTLS, internal_sync_channel
 from tandem.protos import generation_pb2, generation_pb2_grpc, worker_pb2
 
@@ -35,6 +35,8 @@ if TYPE_CHECKING:
     from tandem.tools.certs import IssuedCerts
 
 READY_PREFIX = "READY "
+METRICS_PREFIX = "METRICS "
+"""A component's ``METRICS <port>`` line: where its ``/metrics`` is (before READY)."""
 
 
 class ClusterStartError(CommandError):
@@ -78,8 +80,9 @@ class ClusterSpec:
     metrics_port: int | None = None
     """Prometheus ``/metrics`` on every component: the router on this port, then each
     prefill and decode worker on the next ones in order (``tandem serve --metrics-port
-    9400``: router 9400, prefill-0 9401, ...); 0 picks free ports; ``None``: off. A
-    restarted component keeps its port."""
+    9400``: router 9400, prefill-0 9401, ...; a restarted component keeps its port);
+    0: each binds a free port itself and reports it (``METRICS <port>`` on its stdout);
+    ``None``: off."""
 
 
 RESTART_BACKOFF_S = (1.0, 2.0, 5.0, 10.0, 30.0)
@@ -95,6 +98,8 @@ class _Child:
     env: dict[str, str]
     ready: threading.Event = field(default_factory=threading.Event)
     ready_line: str = ""
+    metrics_port: int | None = None
+    """From its ``METRICS <port>`` line."""
     started_at: float = field(default_factory=time.monotonic)
     restarts: int = 0
 
@@ -109,8 +114,7 @@ class LocalCluster:
         self._stopping = threading.Event()
         self._supervisor: threading.Thread | None = None
         self.certs: IssuedCerts | None = None
-        self.metrics_ports: dict[str, int] = {}
-        """Component name -> its ``/metrics`` port (empty when metrics are off)."""
+        self._fixed_metrics_ports: dict[str, int] = {}
 
     @property
     def ca_certificates(self) -> bytes | None:
@@ -275,7 +279,6 @@ class LocalCluster:
             self.wait_ready(names, timeout_s)
         for name in reversed(current[replicas:]):
             self.kill(name, signal.SIGTERM)
-            self.metrics_ports.pop(name, None)
 
     def kill(self, name: str, sig: int = signal.SIGKILL) -> None:
         child = self.children.pop(name)
@@ -338,19 +341,30 @@ class LocalCluster:
             ]
         return [*args, *extra]
 
+    @property
+    def metrics_ports(self) -> dict[str, int]:
+        """Component name -> its ``/metrics`` port, router first (empty when off)."""
+        ports = {n: c.metrics_port for n, c in self.children.items() if c.metrics_port}
+        return dict(sorted(ports.items(), key=lambda item: item[0] != "router"))
+
     def _metrics_args(self, name: str) -> list[str]:
+        """Fixed ports are handed out here; with 0 the component binds a free one itself
+        (no window in which another process could take a port picked for it)."""
         base = self.spec.metrics_port
         if base is None:
             return []
-        if name not in self.metrics_ports:
+        if not base:
+            return ["--metrics-port", "0"]
+        if name not in self._fixed_metrics_ports:
             order = [
                 "router",
                 *(f"prefill-{i}" for i in range(self.spec.num_prefill)),
                 *(f"decode-{i}" for i in range(self.spec.num_decode)),
             ]
-            known = base and name in order
-            self.metrics_ports[name] = base + order.index(name) if known else free_port()
-        return ["--metrics-port", str(self.metrics_ports[name])]
+            used = set(self._fixed_metrics_ports.values())
+            port = base + order.index(name) if name in order else max(used) + 1
+            self._fixed_metrics_ports[name] = port
+        return ["--metrics-port", str(self._fixed_metrics_ports[name])]
 
     def _internal_tls(self, identity: str) -> InternalTLS | None:
         if self.certs is None:
@@ -417,6 +431,8 @@ def _pump(child: _Child, sink: TextIO | None) -> None:
     assert child.process.stdout is not None
     try:
         for line in child.process.stdout:
+            if line.startswith(METRICS_PREFIX):
+                child.metrics_port = int(line.split()[1])
             if line.startswith(READY_PREFIX) and not child.ready.is_set():
                 child.ready_line = line.strip()
                 child.ready.set()

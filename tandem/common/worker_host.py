@@ -104,6 +104,7 @@ async def host_worker(
     if metrics is not None and options.metrics_port is not None:
         metrics_server = MetricsServer(metrics.registry, options.host, options.metrics_port)
         log.info("metrics at http://%s:%d/metrics", options.public_host, metrics_server.port)
+        print(f"METRICS {metrics_server.port}", flush=True)  # for a launcher (before READY)
     try:
         await registration.register(info, load())
         heartbeats = asyncio.create_task(
