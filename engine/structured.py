@@ -153,9 +153,6 @@ class StructuredOutputs:
             raise RuntimeError(f"a token drawn under the mask was refused: {matcher.get_error()}")
         return matcher.is_stopped()
 
-    def close(self) -> None:
-        self._thread.shutdown(wait=False, cancel_futures=True)
-
 
 def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: Sequence[int]) -> None:
     """``-inf`` for the tokens ``bitmask`` forbids, in logits rows ``rows`` (in place).

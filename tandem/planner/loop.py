@@ -8,7 +8,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from tandem.common.metrics import ComponentMetrics, Scrape
 from tandem.planner.actuators import Actuator
@@ -96,7 +96,7 @@ class Planner:
         self.model.observe(s)
         decisions = []
         for estimate in self.model.estimate(s):
-            estimate = _with_current(estimate, self.actuator.replicas(estimate.pool))
+            estimate = replace(estimate, current=self.actuator.replicas(estimate.pool))
             decision = self.decider.decide(estimate)
             self._report(decision, s)
             if decision.changes:
@@ -132,12 +132,6 @@ class Planner:
             "?" if e.capacity_per_replica is None else f"{e.capacity_per_replica:.1f}",
             _ms(s.ttft_p99), _ms(s.tpot_p99), s.request_rate,
         )  # fmt: skip
-
-
-def _with_current(estimate, current: int):
-    from dataclasses import replace
-
-    return replace(estimate, current=current)
 
 
 def _scrape_all(urls: Sequence[str]) -> dict[str, Scrape]:
