@@ -7,7 +7,7 @@ import dataclasses
 
 from tandem.common.kv_events.publisher import KVEventPublisher
 from tandem.common.registry import WorkerCapacity, WorkerInfo, WorkerRole
-from tandem.common.worker_host import WorkerOptions, host_worker
+from tandem.common.worker_host import WorkerOptions, exit_for_restart, host_worker
 from tandem.common.worker_load import BusyMeter, worker_load
 from tandem.common.worker_metrics import WorkerMetrics, transfer_received
 from tandem.decode_worker.service import DecodeService
@@ -27,6 +27,7 @@ async def run(options: WorkerOptions, stop: asyncio.Event | None = None) -> None
         EngineConfig(model=options.model_dir, **options.engine),
         on_kv_events=kv_events.on_engine_events,
         detokenize=False,
+        on_rank_lost=exit_for_restart,
     )
     layout = KVLayout(model=options.model_name, **dataclasses.asdict(engine.runner.layout))
     receiver = KVReceiver(layout, options.worker_id, engine.runtime.device, options.tls)
@@ -68,4 +69,5 @@ async def run(options: WorkerOptions, stop: asyncio.Event | None = None) -> None
     finally:
         await receiver.close()
         await async_engine.stop()
+        await asyncio.to_thread(engine.close)
         await kv_events.aclose()

@@ -51,6 +51,9 @@ class EngineConfig:
     num_threads: int | None = None
     """Torch intra-op threads on CPU; ``None`` leaves torch's default."""
     seed: int = 0
+    tensor_parallel_size: int = 1
+    """Ranks the model is split over (heads, MLP columns, vocabulary); the engine starts
+    ranks 1..N-1 itself: local processes, or Ray actors when Ray is initialised."""
     speculative_method: str | None = None
     """``ngram`` or ``draft``: speculative decoding's default proposer (``None``: off,
     unless ``draft_model`` is set, which implies ``draft``)."""
@@ -86,6 +89,7 @@ class EngineConfig:
             "max_model_len",
             "num_threads",
             "max_num_batched_tokens",
+            "tensor_parallel_size",
         ):
             value = getattr(self, name)
             if value is not None and value < 1:

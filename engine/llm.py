@@ -25,6 +25,17 @@ class LLM:
         """``config``: any ``EngineConfig`` field (dtype, block_size, max_num_seqs, ...)."""
         self.engine = LLMEngine(EngineConfig(model=str(model), **config))
 
+    def close(self) -> None:
+        """Stops the other ranks of a tensor-parallel model (they also end with this
+        process); nothing to do otherwise. ``with LLM(...) as llm:`` calls it."""
+        self.engine.close()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
     def get_tokenizer(self):
         return self.engine.tokenizer
 

@@ -9,7 +9,9 @@ from one thread (workers run it in a dedicated thread).
 
 from __future__ import annotations
 
+import contextlib
 import itertools
+import logging
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -26,6 +28,9 @@ from tandem.engine.config import EngineConfig, EngineRuntime, num_kv_blocks, res
 from tandem.engine.kv_cache_manager import KVCacheManager
 from tandem.engine.model_runner import KVCacheLayout, ModelRunner
 from tandem.engine.outputs import EngineLoad, KVUsage, RequestDelta
+from tandem.engine.parallel.group import RankLost, Rendezvous, TensorParallelGroup
+from tandem.engine.parallel.ranks import STOP_TIMEOUT_S, Ranks, RankWatch, start_ranks
+from tandem.engine.parallel.shard import check_tensor_parallel, head_split
 from tandem.engine.request import FinishReason, PrefillMode, Request, RequestStatus
 from tandem.engine.sampler import TokenLogprobs
 from tandem.engine.scheduler import KVPull, Scheduler, SchedulerConfig, StepUpdate
@@ -33,6 +38,8 @@ from tandem.engine.spec_decode.build import build_speculator
 from tandem.engine.spec_decode.proposer import Proposal
 from tandem.engine.spec_decode.speculator import Drafts, Speculator
 from tandem.engine.structured import StructuredOutputs
+
+log = logging.getLogger(__name__)
 
 KVEventCallback = Callable[[list[KVCacheEvent]], None]
 
@@ -44,12 +51,28 @@ def check_config(config: EngineConfig) -> int:
     engine sizes it from the memory free after loading). Raises ``ValueError`` naming
     the setting at fault; for launchers that validate before starting anything."""
     model_config = ModelConfig.from_dir(config.model)
+    check_tensor_parallel(model_config, config.tensor_parallel_size)
     runtime = resolve_runtime(config, model_config)
-    return num_kv_blocks(config, runtime, _kv_layout(model_config, runtime).bytes_per_block)
+    layout = kv_layout(model_config, runtime, config.tensor_parallel_size)
+    return num_kv_blocks(config, runtime, layout.bytes_per_block)
 
 
-def _kv_layout(mc: ModelConfig, rt: EngineRuntime) -> KVCacheLayout:
-    return KVCacheLayout(rt.block_size, mc.num_layers, mc.num_kv_heads, mc.head_dim, rt.dtype)
+def kv_layout(mc: ModelConfig, rt: EngineRuntime, tp_size: int = 1) -> KVCacheLayout:
+    """The KV cache of one rank: its KV heads only (all of them at ``tp_size`` 1)."""
+    heads = head_split(mc, 0, tp_size).kv.size
+    return KVCacheLayout(rt.block_size, mc.num_layers, heads, mc.head_dim, rt.dtype)
+
+
+def build_runner(config: EngineConfig, rank: int, rendezvous: Rendezvous) -> ModelRunner:
+    """Rank ``rank`` (> 0) of a tensor-parallel replica: joins rank 0's groups, then
+    loads its slice. It only runs forwards (no sampling, so no EOS ids needed)."""
+    mc = ModelConfig.from_dir(config.model)
+    rt = resolve_runtime(config, mc)
+    group = TensorParallelGroup.join(rendezvous, rank, rt.device)
+    layout = kv_layout(mc, rt, group.size)
+    return ModelRunner(
+        config.model, mc, layout, rt.backend, rt.linear_backend, rt.device, (), config.seed, group
+    )
 
 
 class LLMEngine:
@@ -58,9 +81,14 @@ class LLMEngine:
         config: EngineConfig,
         on_kv_events: KVEventCallback | None = None,
         detokenize: bool = True,
+        on_rank_lost: Callable[[str], None] | None = None,
     ) -> None:
         """``detokenize=False``: deltas carry token ids only and stop strings are refused —
-        for workers whose caller (the router) turns tokens into text."""
+        for workers whose caller (the router) turns tokens into text.
+        ``on_rank_lost(reason)``: called once when another rank of this tensor-parallel
+        replica dies (from a watcher thread, or the engine thread); the engine is broken
+        from then on (``step`` raises ``RankLost``). A worker exits there, for its
+        supervisor to restart the replica whole."""
         self.config = config
         self.detokenize = detokenize
         self.model_config = ModelConfig.from_dir(config.model)
@@ -69,7 +97,18 @@ class LLMEngine:
         self.runtime: EngineRuntime = resolve_runtime(config, self.model_config)
         self._on_kv_events = on_kv_events
         mc, rt = self.model_config, self.runtime
-        layout = _kv_layout(mc, rt)
+        size = config.tensor_parallel_size
+        check_tensor_parallel(mc, size)
+        layout = kv_layout(mc, rt, size)
+        self.broken: str | None = None
+        """Why the engine cannot go on (a lost rank), or ``None``."""
+        self._on_rank_lost = on_rank_lost
+        self.ranks: Ranks | None = None
+        """Ranks 1..N-1 of a tensor-parallel engine (``None`` at size 1)."""
+        self._rank_watch: RankWatch | None = None
+        group = None
+        if size > 1:
+            group, self.ranks, self._tp_store = start_ranks(config, size, rt.device)
         self.runner = ModelRunner(
             config.model,
             mc,
@@ -79,7 +118,10 @@ class LLMEngine:
             rt.device,
             self.eos_token_ids,
             config.seed,
+            group,
         )
+        if self.ranks is not None:
+            self._rank_watch = RankWatch(self.ranks, self._rank_lost)
         self.num_kv_blocks = num_kv_blocks(config, rt, layout.bytes_per_block)
         self.runner.allocate_kv_cache(self.num_kv_blocks)
         self.block_pool = BlockPool(self.num_kv_blocks, config.enable_prefix_caching)
@@ -215,11 +257,38 @@ class LLMEngine:
     # --- the loop ----------------------------------------------------------------------
 
     def step(self) -> list[RequestDelta]:
+        if self.broken is not None:
+            raise RankLost(self.broken)
         start = time.perf_counter()
         try:
             return self._step()
+        except RankLost as lost:
+            self._rank_lost(str(lost))
+            raise
         finally:
             self.busy_seconds += time.perf_counter() - start
+
+    def close(self) -> None:
+        """Stops the other ranks of a tensor-parallel engine (nothing to do at size 1).
+        Idempotent; the engine is unusable afterwards."""
+        if self.ranks is None:
+            return
+        ranks, self.ranks = self.ranks, None
+        self._rank_watch.stop()
+        if self.broken is None:
+            with contextlib.suppress(RankLost):
+                self.runner.stop_ranks()
+        self.broken = self.broken or "the engine was closed"
+        ranks.stop(STOP_TIMEOUT_S)
+
+    def _rank_lost(self, reason: str) -> None:
+        with self._structured_lock:  # the watcher and the engine thread may both call
+            first = self.broken is None
+            self.broken = self.broken or reason
+        if first:
+            log.error("tensor-parallel replica broken: %s", reason)
+            if self._on_rank_lost is not None:
+                self._on_rank_lost(reason)
 
     def _step(self) -> list[RequestDelta]:
         """Schedule (with the drafts proposed last step), execute, update, emit; then

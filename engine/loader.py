@@ -1,15 +1,18 @@
 """Build a model from a HuggingFace checkpoint directory (``*.safetensors``).
 
-The model is constructed on the meta device (no random init, no memory), materialised
-on the target device, then every parameter is filled from the memory-mapped
-safetensors files. A checkpoint that leaves any parameter unfilled is refused with the
-missing names; nothing half-loaded is returned.
+The model is constructed on the meta device (no random init, no memory), split into
+this rank's slice when tensor-parallel (``parallel.shard.shard_model``), materialised on
+the target device, then every parameter is filled from the memory-mapped safetensors
+files: a parallel layer reads only its rows or columns of a tensor, so a rank's resident
+memory holds its slice of the weights, not all of them. A checkpoint that leaves any
+parameter unfilled is refused with the missing names; nothing half-loaded is returned.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import safe_open
@@ -17,24 +20,54 @@ from torch import nn
 
 from tandem.common.model_config import ModelConfig
 from tandem.engine.models import model_class
+from tandem.engine.parallel.group import TensorParallelGroup
+from tandem.engine.parallel.shard import shard_model
 
 
-def iter_checkpoint_tensors(model_dir: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
+class CheckpointTensor:
+    """One tensor of a safetensors file, read only as far as asked (memory-mapped)."""
+
+    def __init__(self, handle: Any) -> None:
+        self._slice = handle
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(self._slice.get_shape())
+
+    def full(self) -> torch.Tensor:
+        return self._slice[:]
+
+    def rows(self, start: int, size: int) -> torch.Tensor:
+        return self._slice[start : start + size]
+
+    def cols(self, start: int, size: int) -> torch.Tensor:
+        return self._slice[:, start : start + size]
+
+
+def iter_checkpoint_tensors(model_dir: str | Path) -> Iterator[tuple[str, CheckpointTensor]]:
     files = sorted(Path(model_dir).glob("*.safetensors"))
     if not files:
         raise ValueError(f"model directory {model_dir!s} has no *.safetensors files")
     for path in files:
         with safe_open(str(path), framework="pt", device="cpu") as f:
             for name in f.keys():  # noqa: SIM118 - safe_open is not a mapping
-                yield name, f.get_tensor(name)
+                yield name, CheckpointTensor(f.get_slice(name))
 
 
 def load_model(
-    model_dir: str | Path, config: ModelConfig, dtype: torch.dtype, device: torch.device
+    model_dir: str | Path,
+    config: ModelConfig,
+    dtype: torch.dtype,
+    device: torch.device,
+    tp: TensorParallelGroup | None = None,
 ) -> nn.Module:
+    """``tp``: this rank's group when tensor-parallel; the model is then its slice."""
     cls = model_class(config)
     with torch.device("meta"):
-        model = cls(config, dtype).to(dtype)
+        model = cls(config, dtype)
+        if tp is not None and tp.size > 1:
+            shard_model(model, config, tp)
+        model = model.to(dtype)
     model = model.to_empty(device=device)
     if config.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight

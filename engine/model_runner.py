@@ -17,9 +17,10 @@ import torch
 
 from tandem.common.model_config import ModelConfig
 from tandem.engine.attention.base import AttentionBackendKind, make_backend
-from tandem.engine.attention.metadata import AttentionMetadata
 from tandem.engine.layers.linear import LinearBackend, pack_linear_layers
 from tandem.engine.loader import load_model
+from tandem.engine.parallel.group import TensorParallelGroup
+from tandem.engine.parallel.plan import ForwardPlan, PlanChannel, PlanKind
 from tandem.engine.sampler import RowGroup, Sampler, SamplingRow, TokenLogprobs
 from tandem.engine.scheduler import ScheduledChunk, SchedulerOutput
 from tandem.engine.stopping import banned_tokens
@@ -66,11 +67,17 @@ class ModelRunner:
         device: torch.device,
         eos_token_ids: Collection[int],
         seed: int,
+        tp: TensorParallelGroup | None = None,
     ) -> None:
+        """``tp``: this rank's group when the model is split over ranks; ``layout``
+        then describes this rank's heads. Rank 0 runs ``execute`` / ``last_logits`` and
+        sends each forward's plan to the other ranks, which run ``run_plan``."""
         self.device = device
         self.layout = layout
         self.eos_token_ids = eos_token_ids
-        self.model = load_model(model_dir, model_config, layout.dtype, device)
+        self.tp = tp if tp is not None and tp.size > 1 else None
+        self._plans = PlanChannel(self.tp) if self.tp is not None else None
+        self.model = load_model(model_dir, model_config, layout.dtype, device, self.tp)
         if linear_backend is LinearBackend.ONEDNN:
             pack_linear_layers(self.model)
         self.kv_caches: list[torch.Tensor] = []
@@ -81,12 +88,20 @@ class ModelRunner:
         """Set by the engine once a request is constrained (see ``engine.structured``)."""
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
-        """Zero-filled, so padding slots never hold NaNs that a masked read could pick up."""
+        """Zero-filled, so padding slots never hold NaNs that a masked read could pick up.
+        On rank 0 of a replica, the other ranks allocate theirs too."""
+        if self._plans is not None and self.tp.is_first:
+            self._plans.send(PlanKind.ALLOCATE_KV, num_blocks)
         lay = self.layout
         shape = (2, num_blocks, lay.block_size, lay.num_kv_heads, lay.head_dim)
         self.kv_caches = [
             torch.zeros(shape, dtype=lay.dtype, device=self.device) for _ in range(lay.num_layers)
         ]
+
+    def stop_ranks(self) -> None:
+        """Rank 0: tells the other ranks to leave their loop."""
+        if self._plans is not None:
+            self._plans.send(PlanKind.STOP)
 
     @torch.inference_mode()
     def execute(
@@ -101,18 +116,17 @@ class ModelRunner:
         chunks = sorted(step.chunks, key=lambda c: c.num_tokens > 1)  # decodes first
         sampling = [(i, c) for i, c in enumerate(chunks) if c.samples]
         masks = self._start_masks([c for _, c in sampling])  # filled during the forward
-        hidden, meta = self._forward(chunks)
-        if not sampling:
-            return RunnerOutput({}, {})
+        ends = np.cumsum([c.num_tokens for c in chunks])
         rows, groups, positions = [], [], []
         for i, chunk in sampling:
             drafts = chunk.draft_token_ids
             probs = draft_probs.get(chunk.request.request_id) if drafts else None
             groups.append(RowGroup(len(rows), drafts, probs))
             rows.extend(self._sampling_rows(chunk))
-            last = meta.query_start_loc[i + 1]
-            positions.extend(range(last - len(drafts) - 1, last))
-        logits = self.model.compute_logits(hidden[torch.tensor(positions, device=self.device)])
+            positions.extend(range(ends[i] - len(drafts) - 1, ends[i]))
+        logits = self._forward(chunks, positions)
+        if logits is None:
+            return RunnerOutput({}, {})
         if masks is not None:
             bitmask, masked_rows = self.structured.wait(masks[0]), masks[1]
             apply_bitmask(logits, bitmask, masked_rows)
@@ -150,21 +164,36 @@ class ModelRunner:
         """Run ``chunks`` (writing their KV) and return the logits at each chunk's last
         position, ``[len(chunks), V]`` in the given order; no sampling (draft models)."""
         order = sorted(range(len(chunks)), key=lambda i: chunks[i].num_tokens > 1)
-        hidden, meta = self._forward([chunks[i] for i in order])
-        last = torch.tensor([meta.query_start_loc[j + 1] - 1 for j in range(len(order))])
-        logits = self.model.compute_logits(hidden[last.to(self.device)])
+        ordered = [chunks[i] for i in order]
+        logits = self._forward(ordered, np.cumsum([c.num_tokens for c in ordered]) - 1)
         restore = torch.empty(len(order), dtype=torch.long)
         restore[torch.tensor(order)] = torch.arange(len(order))
         return logits[restore.to(self.device)]
 
-    def _forward(self, chunks: list[ScheduledChunk]) -> tuple[torch.Tensor, AttentionMetadata]:
-        input_ids, positions, meta = self._prepare(chunks)
-        self.backend.plan(meta)
-        return self.model(input_ids, positions, self.kv_caches, self.backend, meta), meta
+    def _forward(
+        self, chunks: list[ScheduledChunk], logit_rows: Sequence[int]
+    ) -> torch.Tensor | None:
+        """Runs ``chunks`` (writing their KV) and returns the logits of hidden rows
+        ``logit_rows`` (``None`` when there are none). The other ranks of a replica run
+        the same forward from its plan."""
+        plan = self._prepare(chunks, logit_rows)
+        if self._plans is not None:
+            self._plans.send_forward(plan)
+        return self.run_plan(plan)
 
-    def _prepare(
-        self, chunks: list[ScheduledChunk]
-    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+    def run_plan(self, plan: ForwardPlan) -> torch.Tensor | None:
+        """One forward from its plan, on every rank; logits on rank 0 only."""
+        to = self.device
+        meta = plan.metadata(self.layout.block_size, to)
+        self.backend.plan(meta)
+        input_ids = torch.from_numpy(plan.input_ids).to(to)
+        positions = torch.from_numpy(plan.positions).to(to)
+        hidden = self.model(input_ids, positions, self.kv_caches, self.backend, meta)
+        if not len(plan.logit_rows):
+            return None
+        return self.model.compute_logits(hidden[torch.from_numpy(plan.logit_rows).to(to)])
+
+    def _prepare(self, chunks: list[ScheduledChunk], logit_rows: Sequence[int]) -> ForwardPlan:
         bs = self.layout.block_size
         q_lens = np.fromiter((c.num_tokens for c in chunks), dtype=np.int64, count=len(chunks))
         starts = np.fromiter((c.start for c in chunks), dtype=np.int64, count=len(chunks))
@@ -179,22 +208,18 @@ class ModelRunner:
         for i, c in enumerate(chunks):
             table[i, : len(c.block_ids)] = c.block_ids
         slots = table[seq_of_token, positions // bs] * bs + positions % bs
-        input_ids = [t for c in chunks for t in _chunk_tokens(c)]
-        seq_lens = starts + q_lens
-        to = self.device
-        meta = AttentionMetadata(
-            slot_mapping=torch.from_numpy(slots).to(to),
-            block_table=torch.from_numpy(table).to(to),
-            seq_lens=torch.from_numpy(seq_lens).to(to),
-            query_start_loc=tuple(query_start_loc.tolist()),
-            seq_lens_list=tuple(seq_lens.tolist()),
-            num_decodes=int((q_lens == 1).sum()),
-            block_size=bs,
+        input_ids = np.fromiter(
+            (t for c in chunks for t in _chunk_tokens(c)), dtype=np.int64, count=len(positions)
         )
-        return (
-            torch.tensor(input_ids, dtype=torch.long, device=to),
-            torch.from_numpy(positions).to(to),
-            meta,
+        return ForwardPlan(
+            input_ids=input_ids,
+            positions=positions,
+            slots=slots,
+            block_table=table,
+            seq_lens=starts + q_lens,
+            query_start_loc=query_start_loc,
+            logit_rows=np.asarray(logit_rows, dtype=np.int64),
+            num_decodes=int((q_lens == 1).sum()),
         )
 
     def _seeded_generator(self, seed: int, num_drawn: int) -> torch.Generator:

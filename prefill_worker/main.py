@@ -8,7 +8,7 @@ import dataclasses
 from tandem.common.kv_events.publisher import KVEventPublisher
 from tandem.common.metrics import Sample
 from tandem.common.registry import WorkerCapacity, WorkerInfo, WorkerRole
-from tandem.common.worker_host import WorkerOptions, host_worker
+from tandem.common.worker_host import WorkerOptions, exit_for_restart, host_worker
 from tandem.common.worker_load import BusyMeter, worker_load
 from tandem.common.worker_metrics import WorkerMetrics
 from tandem.engine.async_engine import AsyncEngine
@@ -29,6 +29,7 @@ async def run(options: WorkerOptions, stop: asyncio.Event | None = None) -> None
         EngineConfig(model=options.model_dir, **options.engine),
         on_kv_events=kv_events.on_engine_events,
         detokenize=False,
+        on_rank_lost=exit_for_restart,
     )
     async_engine = AsyncEngine(engine)
     async_engine.start()
@@ -90,4 +91,5 @@ async def run(options: WorkerOptions, stop: asyncio.Event | None = None) -> None
         sweeper.cancel()
         await asyncio.to_thread(sender.close)
         await async_engine.stop()
+        await asyncio.to_thread(engine.close)
         await kv_events.aclose()

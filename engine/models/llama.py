@@ -9,6 +9,7 @@ gate/up are fused into single matrices at load time (one matmul instead of three
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -20,6 +21,9 @@ from tandem.engine.layers.attention import SelfAttention
 from tandem.engine.layers.mlp import GatedMLP
 from tandem.engine.layers.norm import RMSNorm
 from tandem.engine.layers.rotary import RotaryEmbedding
+
+if TYPE_CHECKING:
+    from tandem.engine.loader import CheckpointTensor
 
 # Checkpoint tensor suffix -> (fused parameter suffix, shard index).
 FUSED_SHARDS: dict[str, tuple[str, int]] = {
@@ -134,10 +138,12 @@ class LlamaForCausalLM(nn.Module):
             return [c.q_size, c.kv_size, c.kv_size]
         return [c.intermediate_size, c.intermediate_size]
 
-    def load_weights(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+    def load_weights(self, tensors: Iterable[tuple[str, CheckpointTensor]]) -> set[str]:
         """Copy checkpoint tensors into parameters; returns the names of the filled ones
-        (a fused parameter counts once all its shards arrived)."""
+        (a fused parameter counts once all its shards arrived). A layer that holds a
+        slice (tensor parallelism: ``load_slice``) reads only its slice."""
         params = dict(self.named_parameters())
+        modules = dict(self.named_modules())
         shards_seen: dict[str, set[int]] = {}
         filled: set[str] = set()
         for name, tensor in tensors:
@@ -150,16 +156,12 @@ class LlamaForCausalLM(nn.Module):
                 raise ValueError(
                     f"checkpoint tensor {name!r} has no place in {type(self).__name__}"
                 )
-            dest = param.data
-            if shard is not None:
-                sizes = self.shard_sizes(param_name)
-                dest = dest.narrow(0, sum(sizes[:shard]), sizes[shard])
-            if dest.shape != tensor.shape:
-                raise ValueError(
-                    f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, "
-                    f"expected {tuple(dest.shape)}"
-                )
-            dest.copy_(tensor)
+            module_name, _, leaf = param_name.rpartition(".")
+            load_slice = getattr(modules[module_name], "load_slice", None)
+            if load_slice is not None:
+                load_slice(leaf, tensor, shard)
+            else:
+                self._load_whole(name, param.data, param_name, shard, tensor)
             if shard is None:
                 filled.add(param_name)
                 continue
@@ -167,3 +169,21 @@ class LlamaForCausalLM(nn.Module):
             if len(shards_seen[param_name]) == len(self.shard_sizes(param_name)):
                 filled.add(param_name)
         return filled
+
+    def _load_whole(
+        self,
+        name: str,
+        dest: torch.Tensor,
+        param_name: str,
+        shard: int | None,
+        tensor: CheckpointTensor,
+    ) -> None:
+        if shard is not None:
+            sizes = self.shard_sizes(param_name)
+            dest = dest.narrow(0, sum(sizes[:shard]), sizes[shard])
+        if dest.shape != tensor.shape:
+            raise ValueError(
+                f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, "
+                f"expected {tuple(dest.shape)}"
+            )
+        dest.copy_(tensor.full())

@@ -90,6 +90,12 @@ ENGINE_FLAGS: tuple[EngineFlag, ...] = (
         "torch threads on CPU (default: torch's; `tandem serve` shares the cores)",
     ),
     EngineFlag("seed", int, "seed for requests that sample without one (default: 0)"),
+    EngineFlag(
+        "tensor-parallel-size",
+        positive_int,
+        "ranks the model is split over; the worker starts ranks 1..N-1 itself, as local "
+        "processes or, under Ray, as actors in its placement group (default: 1)",
+    ),
 )
 SPECULATIVE_FLAGS: tuple[EngineFlag, ...] = (
     EngineFlag(

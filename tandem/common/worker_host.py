@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -70,6 +71,19 @@ class WorkerOptions:
     @property
     def public_host(self) -> str:
         return self.advertise_host or ("127.0.0.1" if self.host in ("0.0.0.0", "") else self.host)
+
+
+EXIT_RANK_LOST = 75
+"""Exit status of a worker whose tensor-parallel replica lost a rank."""
+
+
+def exit_for_restart(reason: str) -> None:
+    """A tensor-parallel rank of this worker died: the replica cannot go on, so the whole
+    process ends now (its other ranks follow), for its supervisor — the launcher, Ray,
+    Kubernetes — to start the replica again; routers move its streams elsewhere."""
+    log.critical("%s: exiting (status %d) for a restart of the replica", reason, EXIT_RANK_LOST)
+    logging.shutdown()
+    os._exit(EXIT_RANK_LOST)
 
 
 async def host_worker(

@@ -1,0 +1,116 @@
+"""The step plan: what rank 0 tells the other ranks of a replica before each forward.
+
+The scheduler, the KV-cache manager, sampling and everything else that decides runs on
+rank 0 only; the other ranks run the forward they are told to, on their slice of the
+weights and their heads' KV cache. A plan is small and typed: a ``PlanKind``, and for a
+forward the flattened batch's token ids, positions, KV slots, block table, sequence
+lengths and the rows whose logits are wanted — about ``8 * (4T + N(B + 2))`` bytes for T
+tokens of N sequences with B blocks each. It travels as two int64 broadcasts on the
+plan group (a fixed header, then the payload), no pickling.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from tandem.engine.attention.metadata import AttentionMetadata
+from tandem.engine.parallel.group import TensorParallelGroup
+
+_HEADER = 8
+
+
+class PlanKind(enum.IntEnum):
+    FORWARD = 1
+    ALLOCATE_KV = 2
+    """``header[1]`` blocks: allocate the KV cache (rank 0 sized it)."""
+    STOP = 3
+    """The replica is shutting down: leave the loop."""
+
+
+@dataclass(frozen=True)
+class ForwardPlan:
+    """One forward pass over a flattened batch, decodes first (see ``AttentionMetadata``)."""
+
+    input_ids: np.ndarray
+    positions: np.ndarray
+    slots: np.ndarray
+    block_table: np.ndarray
+    """``[N, B]``."""
+    seq_lens: np.ndarray
+    query_start_loc: np.ndarray
+    """``[N + 1]``."""
+    logit_rows: np.ndarray
+    """Rows of the hidden states to compute logits for (empty: none)."""
+    num_decodes: int
+
+    def metadata(self, block_size: int, device: torch.device) -> AttentionMetadata:
+        return AttentionMetadata(
+            slot_mapping=torch.from_numpy(self.slots).to(device),
+            block_table=torch.from_numpy(self.block_table).to(device),
+            seq_lens=torch.from_numpy(self.seq_lens).to(device),
+            query_start_loc=tuple(self.query_start_loc.tolist()),
+            seq_lens_list=tuple(self.seq_lens.tolist()),
+            num_decodes=self.num_decodes,
+            block_size=block_size,
+        )
+
+    def encode(self) -> tuple[np.ndarray, np.ndarray]:
+        t, (n, b), r = len(self.input_ids), self.block_table.shape, len(self.logit_rows)
+        payload = np.concatenate(
+            [
+                self.input_ids,
+                self.positions,
+                self.slots,
+                self.block_table.reshape(-1),
+                self.seq_lens,
+                self.query_start_loc,
+                self.logit_rows,
+            ]
+        ).astype(np.int64, copy=False)
+        header = np.array([PlanKind.FORWARD, t, n, b, r, self.num_decodes, len(payload), 0])
+        return header.astype(np.int64), payload
+
+    @classmethod
+    def decode(cls, header: np.ndarray, payload: np.ndarray) -> ForwardPlan:
+        _, t, n, b, r, num_decodes = (int(x) for x in header[:6])
+        sizes = [t, t, t, n * b, n, n + 1, r]
+        parts = np.split(payload, np.cumsum(sizes)[:-1])
+        ids, positions, slots, table, seq_lens, qsl, rows = parts
+        return cls(ids, positions, slots, table.reshape(n, b), seq_lens, qsl, rows, num_decodes)
+
+
+class PlanChannel:
+    """Rank 0's side sends, the others' receive; one message at a time, in order."""
+
+    def __init__(self, group: TensorParallelGroup) -> None:
+        self.group = group
+
+    def send_forward(self, plan: ForwardPlan) -> None:
+        header, payload = plan.encode()
+        self._send(header, payload)
+
+    def send(self, kind: PlanKind, value: int = 0) -> None:
+        header = np.zeros(_HEADER, dtype=np.int64)
+        header[0], header[1] = kind, value
+        self._send(header, None)
+
+    def receive(self) -> tuple[PlanKind, np.ndarray, np.ndarray | None]:
+        """The next message: its kind, header and payload (``None`` when it has none)."""
+        header = torch.zeros(_HEADER, dtype=torch.int64)
+        self.group.broadcast_plan(header)
+        size = int(header[6])
+        payload = None
+        if size:
+            buffer = torch.empty(size, dtype=torch.int64)
+            self.group.broadcast_plan(buffer)
+            payload = buffer.numpy()
+        return PlanKind(int(header[0])), header.numpy(), payload
+
+    def _send(self, header: np.ndarray, payload: np.ndarray | None) -> None:
+        self.group.broadcast_plan(torch.from_numpy(header))
+        if payload is not None and len(payload):
+            self.group.broadcast_plan(torch.from_numpy(np.ascontiguousarray(payload)))

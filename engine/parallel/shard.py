@@ -1,0 +1,92 @@
+"""``shard_model``: the one step that makes a full-size model one rank's slice of it.
+
+Applied to the model built on the meta device, before any weight is read; the loader
+then fills each parallel layer from its slice of the checkpoint. The model files stay
+free of parallel code: the attention and MLP blocks keep their forward, and see only
+their (now parallel) linear layers and their local head / column counts.
+
+Heads. Query heads split evenly. KV heads split evenly when there are at least as many
+as ranks; with fewer (multi-query, or ``tp > num_key_value_heads``) each rank holds one
+KV head, the one its query heads attend to, so ``tp / num_kv_heads`` ranks hold a
+copy of each.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from torch import nn
+
+from tandem.common.model_config import ModelConfig
+from tandem.engine.layers.attention import SelfAttention
+from tandem.engine.layers.mlp import GatedMLP
+from tandem.engine.parallel.group import TensorParallelGroup
+from tandem.engine.parallel.layers import (
+    ColumnParallelLinear,
+    ParallelLMHead,
+    RowParallelLinear,
+    Span,
+    VocabParallelEmbedding,
+    even_span,
+)
+
+
+@dataclass(frozen=True)
+class HeadSplit:
+    """The heads one rank holds (in heads, not features)."""
+
+    q: Span
+    kv: Span
+
+
+def check_tensor_parallel(config: ModelConfig, size: int) -> None:
+    """Raises ``ValueError`` naming what does not divide by ``size``."""
+    if size == 1:
+        return
+    problems = []
+    if config.num_heads % size:
+        problems.append(f"num_attention_heads ({config.num_heads})")
+    kv = config.num_kv_heads
+    if kv % size and size % kv:
+        problems.append(f"num_key_value_heads ({kv}; or tp a multiple of it)")
+    if config.intermediate_size % size:
+        problems.append(f"intermediate_size ({config.intermediate_size})")
+    if problems:
+        raise ValueError(
+            f"tensor_parallel_size {size} must divide the model's " + ", ".join(problems)
+        )
+
+
+def head_split(config: ModelConfig, rank: int, size: int) -> HeadSplit:
+    q = even_span(config.num_heads, rank, size)
+    kv_heads = config.num_kv_heads
+    if kv_heads >= size:
+        return HeadSplit(q, even_span(kv_heads, rank, size))
+    return HeadSplit(q, Span(rank // (size // kv_heads), 1))
+
+
+def shard_model(model: nn.Module, config: ModelConfig, group: TensorParallelGroup) -> None:
+    """Replaces, in place, the linear layers and the embedding / LM head of a Llama-family
+    model (on the meta device) by this rank's parallel slices."""
+    check_tensor_parallel(config, group.size)
+    heads = head_split(config, group.rank, group.size)
+    d = config.head_dim
+    q = Span(heads.q.start * d, heads.q.size * d)
+    kv = Span(heads.kv.start * d, heads.kv.size * d)
+    hidden = config.hidden_size
+    for module in model.modules():
+        if isinstance(module, SelfAttention):
+            module.qkv_proj = ColumnParallelLinear(
+                hidden, [q, kv, kv], bias=module.qkv_proj.bias is not None
+            )
+            module.o_proj = RowParallelLinear(q, hidden, group)
+            module.num_heads, module.num_kv_heads = heads.q.size, heads.kv.size
+            module.q_size, module.kv_size = q.size, kv.size
+        elif isinstance(module, GatedMLP):
+            columns = even_span(config.intermediate_size, group.rank, group.size)
+            module.gate_up_proj = ColumnParallelLinear(hidden, [columns, columns], bias=False)
+            module.down_proj = RowParallelLinear(columns, hidden, group)
+            module.intermediate_size = columns.size
+    embedding = VocabParallelEmbedding(config.vocab_size, hidden, group)
+    model.model.embed_tokens = embedding
+    model.lm_head = ParallelLMHead(embedding, tied=config.tie_word_embeddings)
