@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 
 from tandem.common.kv_events.publisher import KVEventPublisher
 from tandem.common.registry import WorkerCapacity, WorkerInfo, WorkerRole
@@ -15,7 +14,7 @@ from tandem.engine.async_engine import AsyncEngine
 from tandem.engine.config import EngineConfig
 from tandem.engine.llm_engine import LLMEngine
 from tandem.kvtransfer.errors import PullFailure
-from tandem.kvtransfer.layout import KVLayout
+from tandem.kvtransfer.ranks import ReceiverRanks, transfer_layout
 from tandem.kvtransfer.receiver import KVReceiver
 from tandem.protos import worker_pb2, worker_pb2_grpc
 
@@ -29,8 +28,13 @@ async def run(options: WorkerOptions, stop: asyncio.Event | None = None) -> None
         detokenize=False,
         on_rank_lost=exit_for_restart,
     )
-    layout = KVLayout(model=options.model_name, **dataclasses.asdict(engine.runner.layout))
-    receiver = KVReceiver(layout, options.worker_id, engine.runtime.device, options.tls)
+    layout = transfer_layout(
+        options.model_name, engine.runner.layout, engine.config.tensor_parallel_size
+    )
+    ranks = None
+    if engine.rank_control is not None:  # rank i pulls from the prefill replica's rank i
+        ranks = ReceiverRanks(engine.rank_control, engine.runtime.device.type)
+    receiver = KVReceiver(layout, options.worker_id, engine.runtime.device, options.tls, ranks)
     async_engine = AsyncEngine(engine)
     metrics = WorkerMetrics(options.model_name, "decode", lambda: async_engine.load)
 

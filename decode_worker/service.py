@@ -14,7 +14,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 import grpc
@@ -44,6 +44,13 @@ class _PendingPull:
     started: bool = False
     source: int = worker_pb2.KV_SOURCE_UNSPECIFIED
     blocks_pulled: int = 0
+    ranks_pull_id: int | None = None
+    """Tensor-parallel: the pull the other ranks staged, until written or dropped."""
+
+
+def _quietly(fn: Callable[..., object], *args: object) -> None:
+    with contextlib.suppress(Exception):
+        fn(*args)
 
 
 class DecodeService(worker_pb2_grpc.DecodeWorkerServicer):
@@ -159,7 +166,10 @@ class DecodeService(worker_pb2_grpc.DecodeWorkerServicer):
             pending.started = True
             pending.renewer.cancel()
             fill = await self._fetch(pending, order)
-        await self.engine.call(lambda e: e.finish_kv_pull(rid, fill))
+        filled = await self.engine.call(lambda e: e.finish_kv_pull(rid, fill))
+        pull_id = pending.ranks_pull_id if pending is not None else None
+        if pull_id is not None and not filled:  # the other ranks drop what they staged
+            await asyncio.to_thread(_quietly, self.receiver.ranks.discard, pull_id)
 
     async def _fetch(self, pending: _PendingPull, order: KVPull):
         handle = pending.handle
@@ -168,7 +178,7 @@ class DecodeService(worker_pb2_grpc.DecodeWorkerServicer):
             packed = None
             if indices:
                 start = time.monotonic()
-                packed = await self.receiver.pull(
+                packed, pending.ranks_pull_id = await self.receiver.pull_ranked(
                     handle.kv_endpoint, handle.lease_id, indices, self.pull_timeout_s
                 )
                 self.metrics.kv_pull_seconds.observe(time.monotonic() - start)
@@ -185,7 +195,14 @@ class DecodeService(worker_pb2_grpc.DecodeWorkerServicer):
         pending.source, pending.blocks_pulled = worker_pb2.KV_SOURCE_PULLED, len(indices)
         if packed is None:
             return lambda block_ids: None
-        return lambda block_ids: unpack_blocks(self._kv_caches, block_ids, packed)
+        runner, pull_id = self.engine.engine.runner, pending.ranks_pull_id
+
+        def fill(block_ids: list[int]) -> None:  # on the engine thread
+            unpack_blocks(self._kv_caches, block_ids, packed)
+            if pull_id is not None:
+                runner.unpack_on_ranks(pull_id, block_ids)
+
+        return fill
 
     async def _renew(self, handle: worker_pb2.KVHandle) -> None:
         """Keep the lease alive while the request waits here for admission."""

@@ -28,8 +28,15 @@ from tandem.engine.config import EngineConfig, EngineRuntime, num_kv_blocks, res
 from tandem.engine.kv_cache_manager import KVCacheManager
 from tandem.engine.model_runner import KVCacheLayout, ModelRunner
 from tandem.engine.outputs import EngineLoad, KVUsage, RequestDelta
+from tandem.engine.parallel.control import RankControl
 from tandem.engine.parallel.group import RankLost, Rendezvous, TensorParallelGroup
-from tandem.engine.parallel.ranks import STOP_TIMEOUT_S, Ranks, RankWatch, start_ranks
+from tandem.engine.parallel.ranks import (
+    STOP_TIMEOUT_S,
+    Ranks,
+    RankWatch,
+    connect_control,
+    start_ranks,
+)
 from tandem.engine.parallel.shard import check_tensor_parallel, head_split
 from tandem.engine.request import FinishReason, PrefillMode, Request, RequestStatus
 from tandem.engine.sampler import TokenLogprobs
@@ -124,6 +131,10 @@ class LLMEngine:
             self._rank_watch = RankWatch(self.ranks, self._rank_lost)
         self.num_kv_blocks = num_kv_blocks(config, rt, layout.bytes_per_block)
         self.runner.allocate_kv_cache(self.num_kv_blocks)
+        self.rank_control: RankControl | None = None
+        """Rank 0's call channel to the other ranks (KV transfer), at size > 1."""
+        if group is not None:
+            self.rank_control = connect_control(group)
         self.block_pool = BlockPool(self.num_kv_blocks, config.enable_prefix_caching)
         self.kv_cache = KVCacheManager(self.block_pool, rt.block_size)
         self.scheduler = Scheduler(
@@ -280,6 +291,8 @@ class LLMEngine:
                 self.runner.stop_ranks()
         self.broken = self.broken or "the engine was closed"
         ranks.stop(STOP_TIMEOUT_S)
+        if self.rank_control is not None:
+            self.rank_control.close()
 
     def _rank_lost(self, reason: str) -> None:
         with self._structured_lock:  # the watcher and the engine thread may both call

@@ -98,6 +98,12 @@ class ModelRunner:
             torch.zeros(shape, dtype=lay.dtype, device=self.device) for _ in range(lay.num_layers)
         ]
 
+    def unpack_on_ranks(self, pull_id: int, block_ids: Sequence[int]) -> None:
+        """Rank 0, engine thread: the other ranks write the KV they staged for pull
+        ``pull_id`` into ``block_ids`` (their own heads), in step order."""
+        if self._plans is not None:
+            self._plans.send(PlanKind.UNPACK_KV, pull_id, np.asarray(block_ids))
+
     def stop_ranks(self) -> None:
         """Rank 0: tells the other ranks to leave their loop."""
         if self._plans is not None:

@@ -33,9 +33,11 @@ class KVLayout:
     num_kv_heads: int
     head_dim: int
     dtype: torch.dtype
+    tp_size: int = 1
+    """Ranks of the replica (``num_kv_heads`` is one rank's share)."""
 
     def __post_init__(self) -> None:
-        for name in ("num_layers", "block_size", "num_kv_heads", "head_dim"):
+        for name in ("num_layers", "block_size", "num_kv_heads", "head_dim", "tp_size"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"KVLayout.{name} must be positive, got {getattr(self, name)}")
         if not isinstance(self.dtype, torch.dtype):
@@ -66,6 +68,7 @@ class KVLayout:
             num_kv_heads=self.num_kv_heads,
             head_dim=self.head_dim,
             layout=self.WIRE_LAYOUT,
+            tp_size=self.tp_size,
         )
 
 
@@ -75,6 +78,7 @@ _CHECKED_FIELDS = (
     ("dtype", "dtype"),
     ("block size", "block_size"),
     ("KV layout", "layout"),
+    ("tensor-parallel size", "tp_size"),
     ("KV heads", "num_kv_heads"),
     ("head dim", "head_dim"),
     ("layers", "num_layers"),

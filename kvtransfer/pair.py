@@ -227,7 +227,7 @@ class PairGroup:
             work = group.recv([tensor], self._peer, tag)
         except RuntimeError as error:
             raise self._broke("recv", error, timed_out=False) from error
-        return PendingRecv(self, work, tensor)
+        return PendingRecv(self, work, tensor, tag)
 
     def _wait(self, work: dist.Work, what: str, deadline: Deadline) -> None:
         timeout = max(deadline.remaining(), _MIN_WAIT_S)
@@ -267,10 +267,13 @@ class PairGroup:
 class PendingRecv:
     """A posted receive. Holds the buffer and the group until waited for or dropped."""
 
-    def __init__(self, pair: PairGroup, work: dist.Work, tensor: torch.Tensor) -> None:
+    def __init__(
+        self, pair: PairGroup, work: dist.Work, tensor: torch.Tensor, tag: int = 0
+    ) -> None:
         self.pair = pair
         self.work = work
         self.tensor = tensor
+        self.tag = tag
 
     def wait(self, timeout: float) -> None:
         """Returns once the data is in ``tensor``; raises ``PairTimeout`` after ``timeout``

@@ -14,6 +14,7 @@ a dead or stuck sender costs at most that long.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from types import MappingProxyType
@@ -22,6 +23,7 @@ import grpc
 import torch
 
 from tandem.common.tls import InternalTLS, internal_channel
+from tandem.engine.parallel.group import RankLost
 from tandem.kvtransfer.blocks import checksum
 from tandem.kvtransfer.deadline import Deadline
 from tandem.kvtransfer.errors import (
@@ -43,6 +45,8 @@ from tandem.kvtransfer.pair import (
     next_tag,
     open_store,
 )
+from tandem.kvtransfer.ranks import ReceiverRanks
+from tandem.kvtransfer.sender import PairOffer
 from tandem.protos import kv_transfer_pb2, kv_transfer_pb2_grpc
 
 _FAILURE_OF_STATUS = MappingProxyType(
@@ -143,7 +147,11 @@ class KVReceiver:
         worker_id: str,
         device: torch.device | str,
         tls: InternalTLS | None = None,
+        ranks: ReceiverRanks | None = None,
     ) -> None:
+        """``ranks``: the other ranks of a tensor-parallel decode replica; each pull then
+        also lands their heads' blocks there, staged until ``ranks`` writes them."""
+        self.ranks = ranks
         self.layout = layout
         self.tls = tls
         self.worker_id = worker_id
@@ -175,6 +183,20 @@ class KVReceiver:
         any failure (``out`` then holds garbage; the pair with that endpoint is gone and
         the next pull handshakes again).
         """
+        packed, _ = await self.pull_ranked(endpoint, lease_id, block_indices, timeout, out)
+        return packed
+
+    async def pull_ranked(
+        self,
+        endpoint: str,
+        lease_id: str,
+        block_indices: Sequence[int],
+        timeout: float,
+        out: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, int | None]:
+        """``pull``, plus the id under which the other ranks staged their share (``None``
+        without ranks): write it with ``ModelRunner.unpack_on_ranks`` or drop it with
+        ``ReceiverRanks.discard``."""
         if not block_indices:
             raise ValueError("no block indices to pull")
         if out is not None:
@@ -182,12 +204,13 @@ class KVReceiver:
         request = _PullRequest(lease_id, tuple(block_indices), Deadline.after(timeout), out)
         peer = self._peer(endpoint)
         try:
-            packed = await self._pull_serialized(peer, request)
+            packed, pull_id = await self._pull_serialized(peer, request)
         except KVPullFailed as failure:
             self._stats = self._stats.with_failure(failure.reason)
             raise
-        self._stats = self._stats.with_pull(len(block_indices), packed.nbytes)
-        return packed
+        ranks = 1 if self.ranks is None else self.ranks.size
+        self._stats = self._stats.with_pull(len(block_indices), packed.nbytes * ranks)
+        return packed, pull_id
 
     async def renew(self, endpoint: str, lease_id: str, timeout: float = 5.0) -> float | None:
         """Extends the lease by its TTL; returns the seconds left, or ``None`` when the
@@ -224,7 +247,9 @@ class KVReceiver:
             self._peers[endpoint] = _Peer(endpoint, self.tls)
         return self._peers[endpoint]
 
-    async def _pull_serialized(self, peer: _Peer, pull: _PullRequest) -> torch.Tensor:
+    async def _pull_serialized(
+        self, peer: _Peer, pull: _PullRequest
+    ) -> tuple[torch.Tensor, int | None]:
         try:
             await asyncio.wait_for(peer.lock.acquire(), pull.deadline.remaining())
         except TimeoutError:
@@ -243,7 +268,9 @@ class KVReceiver:
         finally:
             peer.lock.release()
 
-    async def _pull_locked(self, peer: _Peer, pull: _PullRequest) -> torch.Tensor:
+    async def _pull_locked(
+        self, peer: _Peer, pull: _PullRequest
+    ) -> tuple[torch.Tensor, int | None]:
         """Does the pull; every failure comes out as ``KVPullFailed``."""
         try:
             if peer.link is None:
@@ -260,6 +287,8 @@ class KVReceiver:
             reason, detail = PullFailure.RPC_ERROR, str(error)
         except _Corrupt as error:
             reason, detail = PullFailure.CORRUPT, str(error)
+        except RankLost as error:
+            reason, detail = PullFailure.PEER_LOST, str(error)
         raise KVPullFailed(reason, peer.endpoint, pull.lease_id, detail)
 
     async def _connect(self, peer: _Peer, deadline: Deadline) -> _Link:
@@ -278,6 +307,15 @@ class KVReceiver:
         group = await asyncio.to_thread(
             self._join, offer.store_host, offer.store_port, key, backend, deadline.remaining()
         )
+        if self.ranks is not None:
+            try:
+                offers = [_pair_offer(o) for o in offer.rank_offers]
+                await asyncio.to_thread(
+                    self.ranks.join, peer.endpoint, offers, deadline.remaining()
+                )
+            except BaseException:
+                await asyncio.to_thread(group.close)
+                raise
         return _Link(group)
 
     def _join(
@@ -291,22 +329,50 @@ class KVReceiver:
             store, key, Role.RECEIVER, backend, wire_device, local_address, deadline.remaining()
         )
 
-    async def _transfer(self, peer: _Peer, link: _Link, pull: _PullRequest) -> torch.Tensor:
+    async def _transfer(
+        self, peer: _Peer, link: _Link, pull: _PullRequest
+    ) -> tuple[torch.Tensor, int | None]:
         buffer = self._wire_buffer(link.group.device, pull)
         tag = link.take_tag()
         pending = link.group.post_recv(buffer, tag)
+        if self.ranks is None:
+            return await self._transfer_posted(peer, link, pull, pending, None), None
+        ranks = self.ranks
+        pull_id = await asyncio.to_thread(ranks.post_recv, peer.endpoint, tag, len(pull.indices))
+        try:
+            packed = await self._transfer_posted(peer, link, pull, pending, pull_id)
+        except BaseException:
+            asyncio.get_running_loop().run_in_executor(None, ranks.discard, pull_id)
+            raise
+        return packed, pull_id
+
+    async def _transfer_posted(
+        self,
+        peer: _Peer,
+        link: _Link,
+        pull: _PullRequest,
+        pending: PendingRecv,
+        pull_id: int | None,
+    ) -> torch.Tensor:
         request = kv_transfer_pb2.PullBlocksRequest(
             lease_id=pull.lease_id,
             pair_id=link.group.key.pair_id,
             generation=link.group.key.generation,
             block_indices=pull.indices,
-            tag=tag,
+            tag=pending.tag,
         )
         reply = await peer.stub.PullBlocks(request, timeout=pull.deadline.remaining())
-        expected = buffer.numel() * buffer.element_size()
+        expected = pending.tensor.numel() * pending.tensor.element_size()
         if reply.bytes_sent != expected:
             raise _ProtocolViolation(f"sender sent {reply.bytes_sent} bytes, not {expected}")
-        return await asyncio.to_thread(self._land, pending, pull, reply.checksum)
+        landing = asyncio.to_thread(self._land, pending, pull, reply.checksum)
+        if pull_id is None:
+            return await landing
+        others = asyncio.to_thread(
+            self.ranks.land, pull_id, list(reply.rank_checksums), pull.deadline.remaining()
+        )
+        packed, _ = await asyncio.gather(landing, others)
+        return packed
 
     def _land(self, pending: PendingRecv, pull: _PullRequest, expected: int) -> torch.Tensor:
         """Waits for the data, checks it against the sender's checksum (``_Corrupt``),
@@ -332,7 +398,25 @@ class KVReceiver:
         ends) runs in a thread so the event loop never waits on it."""
         link, peer.link = peer.link, None
         if link is not None:
-            asyncio.get_running_loop().run_in_executor(None, link.group.close)
+            loop = asyncio.get_running_loop()
+            loop.run_in_executor(None, link.group.close)
+            if self.ranks is not None:
+                loop.run_in_executor(None, _quietly, self.ranks.close_link, peer.endpoint)
+
+
+def _pair_offer(offer: kv_transfer_pb2.RankOffer) -> PairOffer:
+    try:
+        backend = Backend(offer.backend)
+    except ValueError:
+        raise _ProtocolViolation(f"sender offered backend {offer.backend!r}") from None
+    return PairOffer(
+        PairKey(offer.pair_id, offer.generation), offer.store_host, offer.store_port, backend
+    )
+
+
+def _quietly(fn, *args) -> None:
+    with contextlib.suppress(Exception):
+        fn(*args)
 
 
 def _indexed(device: torch.device) -> torch.device:

@@ -22,7 +22,8 @@ import grpc
 from tandem.kvtransfer.errors import IncompatibleKV, PairBroken, PairTimeout, UnknownPair
 from tandem.kvtransfer.leases import EndedLease, LeaseTable
 from tandem.kvtransfer.pair import FIRST_TAG, LAST_TAG
-from tandem.kvtransfer.sender import KVSender, SentBlocks
+from tandem.kvtransfer.ranks import RankedOffer, RankedSender, RankedSent
+from tandem.kvtransfer.sender import KVSender, PairOffer, SentBlocks
 from tandem.protos import kv_transfer_pb2, kv_transfer_pb2_grpc
 
 
@@ -37,11 +38,13 @@ class KVTransferServicer(kv_transfer_pb2_grpc.KVTransferServicer):
 
     ``max_send_s`` caps how long a send may wait; a shorter RPC deadline wins.
     ``on_sent(blocks, nbytes, seconds)`` is told of each send that finished.
+    A tensor-parallel prefill worker passes a ``RankedSender``: offers and checksums
+    then cover every rank (``kvtransfer.ranks``).
     """
 
     def __init__(
         self,
-        sender: KVSender,
+        sender: KVSender | RankedSender,
         leases: LeaseTable,
         on_release: Callable[[EndedLease], None],
         *,
@@ -70,12 +73,16 @@ class KVTransferServicer(kv_transfer_pb2_grpc.KVTransferServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
         except PairBroken as error:  # its own rendezvous store is unreachable
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(error))
+        rank_offers = []
+        if isinstance(offer, RankedOffer):
+            offer, rank_offers = offer.offer, [_rank_offer(o) for o in offer.ranks]
         return kv_transfer_pb2.HandshakeResponse(
             pair_id=offer.key.pair_id,
             generation=offer.key.generation,
             store_host=offer.store_host,
             store_port=offer.store_port,
             backend=offer.backend.value,
+            rank_offers=rank_offers,
         )
 
     async def PullBlocks(
@@ -108,9 +115,15 @@ class KVTransferServicer(kv_transfer_pb2_grpc.KVTransferServicer):
             sent = await asyncio.shield(sending)
         except (UnknownPair, PairBroken) as error:
             await context.abort(_status_of(error), str(error))
+        rank_checksums: tuple[int, ...] = ()
+        if isinstance(sent, RankedSent):
+            sent, rank_checksums = sent.sent, sent.rank_checksums
         if self._on_sent is not None:
-            self._on_sent(len(block_ids), sent.nbytes, time.monotonic() - start)
-        return kv_transfer_pb2.PullBlocksResponse(bytes_sent=sent.nbytes, checksum=sent.checksum)
+            nbytes = sent.nbytes * (1 + len(rank_checksums))
+            self._on_sent(len(block_ids), nbytes, time.monotonic() - start)
+        return kv_transfer_pb2.PullBlocksResponse(
+            bytes_sent=sent.nbytes, checksum=sent.checksum, rank_checksums=rank_checksums
+        )
 
     async def RenewLease(
         self, request: kv_transfer_pb2.LeaseRequest, context: grpc.aio.ServicerContext
@@ -162,6 +175,16 @@ def _select(lease_id: str, lease_blocks: list[int], indices: Sequence[int]) -> l
                 f"with {len(lease_blocks)} blocks"
             )
     return [lease_blocks[index] for index in indices]
+
+
+def _rank_offer(offer: PairOffer) -> kv_transfer_pb2.RankOffer:
+    return kv_transfer_pb2.RankOffer(
+        pair_id=offer.key.pair_id,
+        generation=offer.key.generation,
+        store_host=offer.store_host,
+        store_port=offer.store_port,
+        backend=offer.backend.value,
+    )
 
 
 def _status_of(error: UnknownPair | PairBroken) -> grpc.StatusCode:

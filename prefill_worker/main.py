@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 
 from tandem.common.kv_events.publisher import KVEventPublisher
 from tandem.common.metrics import Sample
@@ -14,8 +13,8 @@ from tandem.common.worker_metrics import WorkerMetrics
 from tandem.engine.async_engine import AsyncEngine
 from tandem.engine.config import EngineConfig
 from tandem.engine.llm_engine import LLMEngine
-from tandem.kvtransfer.layout import KVLayout
 from tandem.kvtransfer.leases import LeaseTable
+from tandem.kvtransfer.ranks import RankedSender, transfer_layout
 from tandem.kvtransfer.sender import KVSender
 from tandem.kvtransfer.service import KVTransferServicer
 from tandem.prefill_worker.service import PrefillService
@@ -33,7 +32,8 @@ async def run(options: WorkerOptions, stop: asyncio.Event | None = None) -> None
     )
     async_engine = AsyncEngine(engine)
     async_engine.start()
-    layout = KVLayout(model=options.model_name, **dataclasses.asdict(engine.runner.layout))
+    tp_size = engine.config.tensor_parallel_size
+    layout = transfer_layout(options.model_name, engine.runner.layout, tp_size)
     sender = KVSender(
         layout,
         engine.runner.kv_caches,
@@ -41,6 +41,8 @@ async def run(options: WorkerOptions, stop: asyncio.Event | None = None) -> None
         options.kv_store_port,
         options.worker_id,
     )
+    if engine.rank_control is not None:  # rank i of the decode replica pulls from rank i
+        sender = RankedSender(sender, engine.rank_control)
     leases = LeaseTable()
     metrics = WorkerMetrics(options.model_name, "prefill", lambda: async_engine.load)
     metrics.report(

@@ -106,7 +106,7 @@ class PrefillService(worker_pb2_grpc.PrefillWorkerServicer):
     ) -> worker_pb2.WorkerStatus:
         status = worker_status(self.engine.load, self.worker_id, "prefill", self.num_requests)
         status.num_leases = len(self.leases)
-        status.kv_blocks_sent = self.sender.blocks_sent
+        status.kv_blocks_sent = getattr(self.sender, "sender", self.sender).blocks_sent
         return status
 
     async def ListCachedBlocks(

@@ -56,10 +56,16 @@ class TensorParallelGroup:
         model_group: dist.ProcessGroup,
         plan_group: dist.ProcessGroup,
         device: torch.device,
+        rendezvous: Rendezvous | None = None,
+        store: dist.Store | None = None,
+        local_host: str = "127.0.0.1",
     ) -> None:
         self.rank, self.size, self.device = rank, size, device
         self._model = model_group
         self._plan = plan_group
+        self.rendezvous, self.store = rendezvous, store
+        self.local_host = local_host
+        """The address this rank's sockets bind to (reachable from rank 0)."""
 
     @property
     def is_first(self) -> bool:
@@ -99,7 +105,7 @@ class TensorParallelGroup:
             model = dist.ProcessGroupNCCL(model_store, rank, size, options)
         else:
             model = _gloo(model_store, rank, size, local, timeout)
-        return cls(rank, size, model, plan, device)
+        return cls(rank, size, model, plan, device, rendezvous, store, local)
 
     # --- the model's collectives (every rank calls them in the same order) --------------
 

@@ -29,6 +29,8 @@ class PlanKind(enum.IntEnum):
     """``header[1]`` blocks: allocate the KV cache (rank 0 sized it)."""
     STOP = 3
     """The replica is shutting down: leave the loop."""
+    UNPACK_KV = 4
+    """Write the KV staged by transfer ``header[1]`` into the payload's block ids."""
 
 
 @dataclass(frozen=True)
@@ -93,10 +95,13 @@ class PlanChannel:
         header, payload = plan.encode()
         self._send(header, payload)
 
-    def send(self, kind: PlanKind, value: int = 0) -> None:
+    def send(self, kind: PlanKind, value: int = 0, payload: np.ndarray | None = None) -> None:
         header = np.zeros(_HEADER, dtype=np.int64)
         header[0], header[1] = kind, value
-        self._send(header, None)
+        if payload is not None:
+            payload = np.asarray(payload, dtype=np.int64)
+            header[6] = len(payload)
+        self._send(header, payload)
 
     def receive(self) -> tuple[PlanKind, np.ndarray, np.ndarray | None]:
         """The next message: its kind, header and payload (``None`` when it has none)."""

@@ -29,6 +29,7 @@ from typing import Any
 
 import torch
 
+from tandem.engine.parallel.control import RankControl, RankControlServer
 from tandem.engine.parallel.group import Rendezvous, TensorParallelGroup, host_store
 from tandem.engine.parallel.plan import ForwardPlan, PlanChannel, PlanKind
 
@@ -51,18 +52,32 @@ def run_rank(spec: RankSpec) -> None:
     """The whole life of ranks 1..N-1: load this rank's slice, then run the forwards
     rank 0 plans until it says stop (or is lost)."""
     from tandem.engine.llm_engine import build_runner
+    from tandem.kvtransfer.ranks import RankKVAgent, transfer_layout
 
     runner = build_runner(spec.config, spec.rank, spec.rendezvous)
-    channel = PlanChannel(runner.tp)
-    with torch.inference_mode():
-        while True:
-            kind, header, payload = channel.receive()
-            if kind is PlanKind.STOP:
-                return
-            if kind is PlanKind.ALLOCATE_KV:
-                runner.allocate_kv_cache(int(header[1]))
-            elif kind is PlanKind.FORWARD:
-                runner.run_plan(ForwardPlan.decode(header, payload))
+    group = runner.tp
+    channel = PlanChannel(group)
+    agent: RankKVAgent | None = None
+    try:
+        with torch.inference_mode():
+            while True:
+                kind, header, payload = channel.receive()
+                if kind is PlanKind.STOP:
+                    return
+                if kind is PlanKind.ALLOCATE_KV:
+                    runner.allocate_kv_cache(int(header[1]))
+                    layout = transfer_layout("", runner.layout, group.size)
+                    agent = RankKVAgent(layout, runner.kv_caches, group.local_host, group.rank)
+                    RankControlServer(
+                        agent, spec.rendezvous, spec.rank, group.store, group.local_host
+                    )
+                elif kind is PlanKind.FORWARD:
+                    runner.run_plan(ForwardPlan.decode(header, payload))
+                elif kind is PlanKind.UNPACK_KV:
+                    agent.kv_unpack(int(header[1]), payload.tolist())
+    finally:
+        if agent is not None:
+            agent.close()
 
 
 def _run_rank_process(spec: RankSpec) -> None:
@@ -218,6 +233,12 @@ def start_ranks(
         ranks.stop(0)
         raise
     return group, ranks, store
+
+
+def connect_control(group: TensorParallelGroup) -> RankControl:
+    """Rank 0's call channel to the other ranks (they open it once their KV cache is
+    allocated)."""
+    return RankControl(group.rendezvous, group.store)
 
 
 def _ray_initialized() -> bool:
