@@ -94,3 +94,24 @@ def router_options(model_dir: Path, redis_url: str, name: str, **overrides: obje
         "decode_policy": PolicyName.ROUND_ROBIN,
     }
     return RouterOptions(**(fields | overrides))
+
+
+SLOW_DECODE_0 = {"decode-0": {"TANDEM_FAULTS": "engine.step:delay=0.02"}}
+"""``worker_env`` that makes each of decode-0's steps 20 ms: a TPOT a 5 ms target cannot meet."""
+
+
+def tpot_breach_planner():
+    """A planner config that answers ``SLOW_DECODE_0`` at once: a 5 ms TPOT target, decode
+    1-2 replicas, prefill held at 1, no cooldowns, no waiting before a scale-down."""
+    from tandem.planner.policy import PlannerConfig, PoolBounds
+
+    return PlannerConfig(
+        tpot_p99_s=0.005,
+        decode=PoolBounds(1, 2),
+        prefill=PoolBounds(1, 1),
+        decode_seqs_per_replica=8.0,
+        scale_up_cooldown_s=0,
+        scale_down_cooldown_s=0,
+        down_stable_s=0,
+        lead_s=1,
+    )

@@ -39,3 +39,17 @@ def hf_greedy(model_dir: Path, prompts: list[list[int]], max_new_tokens: int) ->
             )
             outputs.append(out[0, len(prompt) :].tolist())
     return outputs
+
+
+def offline_greedy_checked(
+    model_dir: Path, prompts: list[list[int]], max_new_tokens: int
+) -> list[list[int]]:
+    """The offline engine's greedy tokens (EOS ignored, float32), after checking they
+    equal ``transformers``': the reference a cluster test compares its streams with."""
+    from tandem.engine import LLM, SamplingParams
+
+    offline = LLM(model_dir, dtype="float32", num_kv_blocks=256)
+    params = SamplingParams(temperature=0, max_tokens=max_new_tokens, ignore_eos=True)
+    tokens = [o.token_ids for o in offline.generate(prompts, params)]
+    assert tokens == hf_greedy(model_dir, prompts, max_new_tokens)
+    return tokens

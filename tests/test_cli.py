@@ -37,6 +37,7 @@ def test_every_flag_of_every_command_has_help_text() -> None:
     commands = _subcommands()
     assert set(commands) == {
         "serve",
+        "scale",
         "router",
         "prefill-worker",
         "decode-worker",
@@ -121,3 +122,51 @@ def test_help_shows_defaults(capsys: pytest.CaptureFixture[str]) -> None:
     assert "(default: prefix_aware)" in text
     assert "(default: None)" not in text
     assert "``" not in text
+
+
+def test_ray_settings_need_ray_and_bad_ones_are_refused_by_name(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    err = _parse_error(["serve", "--cpus-per-rank", "2", "--decode-node-label", "a=b"], capsys)
+    assert "--cpus-per-rank, --decode-node-label: Ray settings, give --ray too" in err
+    err = _parse_error(["serve", "--ray", "--log-dir", "/tmp/x"], capsys)
+    assert "Ray's log folder" in err
+    assert main(["serve", "--ray", "--prefill-node-label", "pool"]) == 2
+    assert "--prefill-node-label takes KEY=VALUE, got 'pool'" in capsys.readouterr().err
+    assert main(["serve", "--ray", "--decode-ray-resource", "big=-1"]) == 2
+    assert "--decode-ray-resource 'big=-1': must be > 0" in capsys.readouterr().err
+    assert main(["serve", "--ray", "--cpus-per-rank", "0"]) == 2
+    assert "a rank needs a CPU or a GPU" in capsys.readouterr().err
+
+
+def test_ray_flags_become_the_ray_spec() -> None:
+    from tandem.cli.main import parse
+    from tandem.cli.ray_flags import ray_spec
+
+    args = parse(
+        [
+            *("serve", "--ray-address", "ray://head:10001", "--tensor-parallel-size", "2"),
+            *("--gpus-per-rank", "1", "--kv-cache-memory-gb", "2", "--ray-namespace", "prod"),
+            *("--decode-node-label", "pool=decode", "--decode-ray-resource", "big=0.5"),
+        ]
+    )
+    spec = ray_spec(args)
+    assert (spec.address, spec.namespace, spec.tensor_parallel_size) == (
+        "ray://head:10001",
+        "prod",
+        2,
+    )
+    assert spec.bundles("decode") == [{"CPU": 1.0, "GPU": 1.0, "memory": 2 * 2**30, "big": 0.5}] * 2
+    assert spec.label_selectors("decode") == [{"pool": "decode"}] * 2
+    assert spec.bundles("prefill") == [{"CPU": 1.0, "GPU": 1.0, "memory": 2 * 2**30}] * 2
+
+
+def test_scale_refuses_an_unreachable_ray_in_one_line(capsys: pytest.CaptureFixture[str]) -> None:
+    assert (
+        main(["scale", "--role", "decode", "--replicas", "2", "--ray-address", "127.0.0.1:1"]) == 1
+    )
+    err = capsys.readouterr().err
+    assert err.startswith("tandem scale: error: cannot reach the Ray cluster at 127.0.0.1:1")
+    assert _parse_error(["scale", "--role", "decode", "--replicas", "-1"], capsys).endswith(
+        "--replicas must be >= 0, got -1\n"
+    )

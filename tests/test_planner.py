@@ -29,7 +29,7 @@ from tandem.planner.policy import (
 )
 from tandem.planner.signals import PoolSignals, Signals, histogram_quantile
 from tandem.protos import common_pb2
-from tests.cluster_util import cluster_spec, complete_all
+from tests.cluster_util import SLOW_DECODE_0, cluster_spec, complete_all, tpot_breach_planner
 from tests.hf_reference import random_prompts
 
 
@@ -187,20 +187,10 @@ def test_the_planner_scales_a_real_decode_pool_up_and_drains_it_down(
         tmp_path,
         "planner",
         worker_args=("--num-kv-blocks", "256", "--max-model-len", "256"),
-        # 20 ms per decode step on decode-0: a TPOT the 5 ms target cannot meet.
-        worker_env={"decode-0": {"TANDEM_FAULTS": "engine.step:delay=0.02"}},
+        worker_env=SLOW_DECODE_0,
         metrics_port=0,
     )
-    config = PlannerConfig(
-        tpot_p99_s=0.005,
-        decode=PoolBounds(1, 2),
-        prefill=PoolBounds(1, 1),
-        decode_seqs_per_replica=8.0,
-        scale_up_cooldown_s=0,
-        scale_down_cooldown_s=0,
-        down_stable_s=0,
-        lead_s=1,
-    )
+    config = tpot_breach_planner()
     greedy = common_pb2.SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
     prompts = random_prompts(8, 200, (20, 40), seed=9)
     with LocalCluster(spec) as cluster:

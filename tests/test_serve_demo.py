@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import time
 
 import psutil
 import pytest
@@ -39,3 +40,34 @@ def _is_ours(process: psutil.Process) -> bool:
     except psutil.Error:
         return False
     return "tandem.cli" in cmd or "redis-server" in cmd
+
+
+def test_serve_ray_demo_answers_and_leaves_nothing_running() -> None:
+    """``tandem serve --ray --demo`` at TP=2: a local Ray, every component an actor, the
+    answer streamed, then no Ray process, actor or Redis left."""
+    pytest.importorskip("ray")
+    before = {p.pid for p in psutil.process_iter()}
+    port = free_port()
+    command = [sys.executable, "-m", "tandem.cli", "serve", "--ray", "--demo"]
+    command += ["--tensor-parallel-size", "2", "--ray-num-cpus", "4", "--port", str(port)]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=240)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+    assert "(tensor-parallel size 2)" in result.stdout and "on Ray (a local Ray)" in result.stdout
+    assert f"at 127.0.0.1:{port}" in result.stdout
+    assert "namespace 'tandem'" in result.stdout
+    assert "48 generated" in result.stdout
+    deadline = time.monotonic() + 30  # Ray's last processes exit after ray.shutdown returns
+    while True:
+        leftovers = [_cmd(p) for p in psutil.process_iter() if p.pid not in before]
+        leftovers = [c for c in leftovers if c and ("ray" in c or "tandem" in c or "redis" in c)]
+        if not leftovers or time.monotonic() > deadline:
+            break
+        time.sleep(1)
+    assert leftovers == []
+
+
+def _cmd(process: psutil.Process) -> str:
+    try:
+        return " ".join(process.cmdline())
+    except psutil.Error:
+        return ""

@@ -13,10 +13,9 @@ from pathlib import Path
 import pytest
 
 from tandem.cli.launcher import LocalCluster
-from tandem.engine import LLM, SamplingParams
 from tandem.protos import common_pb2
 from tests.cluster_util import cluster_spec, complete_all, worker_status
-from tests.hf_reference import hf_greedy, random_prompts
+from tests.hf_reference import offline_greedy_checked, random_prompts
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -37,11 +36,7 @@ def prompts() -> list[list[int]]:
 
 @pytest.fixture(scope="module")
 def expected(model_dir: Path, prompts: list[list[int]]) -> list[list[int]]:
-    offline = LLM(model_dir, dtype="float32", num_kv_blocks=256)
-    params = SamplingParams(temperature=0, max_tokens=NUM_NEW, ignore_eos=True)
-    tokens = [o.token_ids for o in offline.generate(prompts, params)]
-    assert tokens == hf_greedy(model_dir, prompts, NUM_NEW)
-    return tokens
+    return offline_greedy_checked(model_dir, prompts, NUM_NEW)
 
 
 def _cluster(model_dir: Path, redis_url: str, logs: Path, decode_args: tuple[str, ...]):

@@ -18,6 +18,7 @@ next collective within milliseconds), and the replica fails as a whole
 from __future__ import annotations
 
 import logging
+import os
 import pickle
 import subprocess
 import sys
@@ -32,6 +33,7 @@ import torch
 from tandem.engine.parallel.control import RankControl, RankControlServer
 from tandem.engine.parallel.group import Rendezvous, TensorParallelGroup, host_store
 from tandem.engine.parallel.plan import ForwardPlan, PlanChannel, PlanKind
+from tandem.ray.spec import RAY_NAMESPACE_ENV
 
 log = logging.getLogger(__name__)
 
@@ -159,6 +161,7 @@ class RayRanks(Ranks):
             bundle = group.bundle_specs[first_bundle + i]
             handle = actor.options(
                 name=f"{_replica_name()}-rank{spec.rank}",
+                namespace=os.environ.get(RAY_NAMESPACE_ENV) or None,
                 num_cpus=bundle.get("CPU", 0),
                 num_gpus=bundle.get("GPU", 0),
                 scheduling_strategy=PlacementGroupSchedulingStrategy(
@@ -192,8 +195,6 @@ class RankActor:
         _run_rank_process(spec)
 
     def pid(self) -> int:
-        import os
-
         return os.getpid()
 
 

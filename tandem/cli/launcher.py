@@ -32,6 +32,7 @@ from tandem.common.tls import InternalTLS, internal_sync_channel
 from tandem.protos import generation_pb2, generation_pb2_grpc, worker_pb2
 
 if TYPE_CHECKING:
+    from tandem.planner.loop import Endpoints
     from tandem.tools.certs import IssuedCerts
 
 READY_PREFIX = "READY "
@@ -85,6 +86,93 @@ class ClusterSpec:
     ``None``: off."""
 
 
+class ComponentCommands:
+    """Each component's ``tandem`` command line and extra environment for a cluster
+    ``spec``: what ``LocalCluster`` runs as processes and the Ray launcher
+    (``tandem.ray``) runs in actors. ``certs``: the cluster's TLS certificates, if any.
+
+    The Redis URL is not part of either (the runner knows it); fixed metrics ports are
+    handed out here, in the order of ``ClusterSpec.metrics_port``, one per name."""
+
+    def __init__(self, spec: ClusterSpec, certs: IssuedCerts | None) -> None:
+        self.spec = spec
+        self.certs = certs
+        self._fixed_metrics_ports: dict[str, int] = {}
+
+    def router(self) -> list[str]:
+        port = ("--port", str(self.spec.router_port))
+        return self._command("router", *port, *self._metrics("router"), *self.spec.router_args)
+
+    def worker(self, role: str, name: str) -> list[str]:
+        """Worker ``name`` (``prefill-0``, ``decode-1``, ...) of ``role``."""
+        threads = self.spec.threads_per_worker or max(
+            1, (os.cpu_count() or 1) // max(1, self.spec.num_prefill + self.spec.num_decode)
+        )
+        return self._command(
+            f"{role}-worker",
+            "--worker-id",
+            name,
+            "--num-threads",
+            str(threads),
+            *self._metrics(name),
+            *self.spec.worker_args,
+            *(self.spec.prefill_args if role == "prefill" else self.spec.decode_args),
+        )
+
+    def env(self, name: str) -> dict[str, str]:
+        """Environment component ``name`` needs beyond the Redis URL: the spec's, the
+        worker's own (``worker_env``), the router's API keys (kept off its command line)."""
+        from tandem.router.auth import ENV_VAR as KEYS_ENV
+
+        env = {**dict(self.spec.env), **self.spec.worker_env.get(name, {})}
+        if name == "router" and self.spec.api_keys:
+            env[KEYS_ENV] = ",".join(self.spec.api_keys)
+        return env
+
+    def _command(self, command: str, *extra: str) -> list[str]:
+        args = [
+            command,
+            "--model",
+            self.spec.model_dir,
+            "--host",
+            self.spec.host,
+            "--log-level",
+            self.spec.log_level,
+        ]
+        if self.spec.model_name:
+            args += ["--model-name", self.spec.model_name]
+        if self.certs is not None:
+            identity = "router" if command == "router" else command.removesuffix("-worker")
+            args += [
+                "--ssl-certfile",
+                str(self.certs.cert(identity)),
+                "--ssl-keyfile",
+                str(self.certs.key(identity)),
+                "--ssl-ca-certs",
+                str(self.certs.ca),
+            ]
+        return [*args, *extra]
+
+    def _metrics(self, name: str) -> list[str]:
+        """Fixed ports are handed out here; with 0 the component binds a free one itself
+        (no window in which another process could take a port picked for it)."""
+        base = self.spec.metrics_port
+        if base is None:
+            return []
+        if not base:
+            return ["--metrics-port", "0"]
+        if name not in self._fixed_metrics_ports:
+            order = [
+                "router",
+                *(f"prefill-{i}" for i in range(self.spec.num_prefill)),
+                *(f"decode-{i}" for i in range(self.spec.num_decode)),
+            ]
+            used = set(self._fixed_metrics_ports.values())
+            port = base + order.index(name) if name in order else max(used) + 1
+            self._fixed_metrics_ports[name] = port
+        return ["--metrics-port", str(self._fixed_metrics_ports[name])]
+
+
 RESTART_BACKOFF_S = (1.0, 2.0, 5.0, 10.0, 30.0)
 """Delay before the n-th restart in a row; a component up for ``STABLE_S`` starts over."""
 STABLE_S = 60.0
@@ -114,7 +202,7 @@ class LocalCluster:
         self._stopping = threading.Event()
         self._supervisor: threading.Thread | None = None
         self.certs: IssuedCerts | None = None
-        self._fixed_metrics_ports: dict[str, int] = {}
+        self.commands = ComponentCommands(spec, None)
 
     @property
     def ca_certificates(self) -> bytes | None:
@@ -154,11 +242,10 @@ class LocalCluster:
         return self.children[name].ready_line.split()[-1]
 
     def start(self, timeout_s: float = 180.0) -> LocalCluster:
-        from tandem.router.auth import ENV_VAR as KEYS_ENV
-
         try:
             if self.spec.tls_dir is not None:
-                self.certs = _certificates(self.spec.tls_dir, self.spec.host)
+                self.certs = certificates(self.spec.tls_dir, self.spec.host)
+            self.commands = ComponentCommands(self.spec, self.certs)
             if not self.redis_url:
                 self.redis = EmbeddedRedis().start()
                 self.redis_url = self.redis.url
@@ -166,17 +253,7 @@ class LocalCluster:
                 self.start_worker("prefill", f"prefill-{i}")
             for i in range(self.spec.num_decode):
                 self.start_worker("decode", f"decode-{i}")
-            self._spawn(
-                "router",
-                self._component_args(
-                    "router",
-                    "--port",
-                    str(self.spec.router_port),
-                    *self._metrics_args("router"),
-                    *self.spec.router_args,
-                ),
-                {KEYS_ENV: ",".join(self.spec.api_keys)} if self.spec.api_keys else None,
-            )
+            self._spawn("router", self._python(self.commands.router()), self.commands.env("router"))
             self.wait_ready(list(self.children), timeout_s)
             self.wait_for_workers(self.spec.num_prefill, self.spec.num_decode, timeout_s)
             self.wait_router_serving(timeout_s)
@@ -193,20 +270,8 @@ class LocalCluster:
     def start_worker(self, role: str, name: str, env: Mapping[str, str] | None = None) -> None:
         """Spawn one worker (also used by tests to add or replace workers); ``env``:
         extra environment for this worker alone."""
-        threads = self.spec.threads_per_worker or max(
-            1, (os.cpu_count() or 1) // max(1, self.spec.num_prefill + self.spec.num_decode)
-        )
-        args = self._component_args(
-            f"{role}-worker",
-            "--worker-id",
-            name,
-            "--num-threads",
-            str(threads),
-            *self._metrics_args(name),
-            *self.spec.worker_args,
-            *(self.spec.prefill_args if role == "prefill" else self.spec.decode_args),
-        )
-        self._spawn(name, args, {**self.spec.worker_env.get(name, {}), **(env or {})})
+        args = self._python(self.commands.worker(role, name))
+        self._spawn(name, args, {**self.commands.env(name), **(env or {})})
 
     def wait_ready(self, names: Sequence[str], timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
@@ -314,32 +379,9 @@ class LocalCluster:
 
     # --- helpers -----------------------------------------------------------------------
 
-    def _component_args(self, command: str, *extra: str) -> list[str]:
-        args = [
-            sys.executable,
-            "-m",
-            "tandem.cli",
-            command,
-            "--model",
-            self.spec.model_dir,
-            "--host",
-            self.spec.host,
-            "--log-level",
-            self.spec.log_level,
-        ]
-        if self.spec.model_name:
-            args += ["--model-name", self.spec.model_name]
-        if self.certs is not None:
-            identity = "router" if command == "router" else command.removesuffix("-worker")
-            args += [
-                "--ssl-certfile",
-                str(self.certs.cert(identity)),
-                "--ssl-keyfile",
-                str(self.certs.key(identity)),
-                "--ssl-ca-certs",
-                str(self.certs.ca),
-            ]
-        return [*args, *extra]
+    @staticmethod
+    def _python(command: list[str]) -> list[str]:
+        return [sys.executable, "-m", "tandem.cli", *command]
 
     @property
     def metrics_ports(self) -> dict[str, int]:
@@ -347,24 +389,22 @@ class LocalCluster:
         ports = {n: c.metrics_port for n, c in self.children.items() if c.metrics_port}
         return dict(sorted(ports.items(), key=lambda item: item[0] != "router"))
 
-    def _metrics_args(self, name: str) -> list[str]:
-        """Fixed ports are handed out here; with 0 the component binds a free one itself
-        (no window in which another process could take a port picked for it)."""
-        base = self.spec.metrics_port
-        if base is None:
-            return []
-        if not base:
-            return ["--metrics-port", "0"]
-        if name not in self._fixed_metrics_ports:
-            order = [
-                "router",
-                *(f"prefill-{i}" for i in range(self.spec.num_prefill)),
-                *(f"decode-{i}" for i in range(self.spec.num_decode)),
-            ]
-            used = set(self._fixed_metrics_ports.values())
-            port = base + order.index(name) if name in order else max(used) + 1
-            self._fixed_metrics_ports[name] = port
-        return ["--metrics-port", str(self._fixed_metrics_ports[name])]
+    @property
+    def metrics_urls(self) -> dict[str, str]:
+        """Each component's ``/metrics`` URL, the router first."""
+        host = "127.0.0.1" if self.spec.host in ("0.0.0.0", "::", "") else self.spec.host
+        return {n: f"http://{host}:{p}/metrics" for n, p in self.metrics_ports.items()}
+
+    def planner_endpoints(self) -> Endpoints:
+        """The ``/metrics`` URLs the planner reads, per pool (workers without one left out)."""
+        from tandem.planner.loop import Endpoints
+
+        urls = self.metrics_urls
+        return Endpoints(
+            urls.get("router", ""),
+            [urls[n] for n in self.workers("prefill") if n in urls],
+            [urls[n] for n in self.workers("decode") if n in urls],
+        )
 
     def _internal_tls(self, identity: str) -> InternalTLS | None:
         if self.certs is None:
@@ -400,7 +440,6 @@ class LocalCluster:
             "PYTHONUNBUFFERED": "1",
             # in the environment, not on the command line, where any user's `ps` sees it
             "TANDEM_REDIS_URL": self.redis_url,
-            **dict(self.spec.env),
             **(extra_env or {}),
         }
         process = subprocess.Popen(
@@ -445,7 +484,7 @@ def _pump(child: _Child, sink: TextIO | None) -> None:
             sink.close()
 
 
-def _certificates(directory: Path, host: str) -> IssuedCerts:
+def certificates(directory: Path, host: str) -> IssuedCerts:
     """The certificates in ``directory``, made there first if it holds no CA."""
     from tandem.tools.certs import DEFAULT_COMPONENTS, IssuedCerts, make_certs
 

@@ -29,6 +29,7 @@ from tandem.cli.options import (
 if TYPE_CHECKING:
     from tandem.common.registry import WorkerRole
     from tandem.common.tls import TLSFiles
+    from tandem.router.main import RouterOptions
     from tandem.router.rate_limit import RateLimit
     from tandem.router.routing.prefix_aware import PrefixCost
 
@@ -210,16 +211,25 @@ def _tls(args: argparse.Namespace) -> TLSFiles | None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from tandem.router.main import run
+
+    setup_logging(args.log_level)
+    asyncio.run(run(router_options(args)))
+    return 0
+
+
+def router_options(args: argparse.Namespace) -> RouterOptions:
+    """The router's options from its parsed command line; a usage error exits 2, a bad
+    setting exits with its message."""
     from tandem.common.registry import WorkerRole
     from tandem.router.auth import ENV_VAR as KEYS_ENV
     from tandem.router.auth import ApiKeys
-    from tandem.router.main import RouterOptions, run
+    from tandem.router.main import RouterOptions
     from tandem.router.readiness import ReadinessRule
     from tandem.router.routing.policy import PolicyName
     from tandem.router.stall import StallPolicy
 
     require_redis(args)
-    setup_logging(args.log_level)
     try:
         prefill_cost, decode_cost = (
             prefix_cost(role, args) for role in (WorkerRole.PREFILL, WorkerRole.DECODE)
@@ -234,7 +244,7 @@ def run(args: argparse.Namespace) -> int:
             args.parser.error("--rate-limit is per API key: give keys too (--api-key-file ...)")
     except ValueError as err:
         raise SystemExit(f"error: {err}") from err
-    options = RouterOptions(
+    return RouterOptions(
         model_dir=args.model,
         model_name=args.model_name or Path(args.model).resolve().name,
         redis_url=args.redis_url,
@@ -258,5 +268,3 @@ def run(args: argparse.Namespace) -> int:
         rate_limit=rate_limit,
         drain_timeout_s=args.drain_timeout,
     )
-    asyncio.run(run(options))
-    return 0

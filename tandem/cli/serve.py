@@ -24,9 +24,13 @@ from tandem.cli.options import (
     setup_logging,
 )
 from tandem.cli.planner import add_planner_options, planner_config
+from tandem.cli.ray_flags import add_serve_options, ray_only_flags_given, ray_spec, uses_ray
 
 if TYPE_CHECKING:
     from tandem.cli.launcher import ClusterSpec, LocalCluster
+    from tandem.ray.cluster import RayCluster
+
+    Cluster = LocalCluster | RayCluster
 
 DEMO_PROMPT = "def fibonacci(n):"
 
@@ -81,6 +85,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "against --ttft-p99 / --tpot-p99 (see the planner flags)",
     )
     add_planner_options(serve)
+    add_serve_options(serve)
     serve.add_argument(
         "--log-level",
         default="INFO",
@@ -132,11 +137,16 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from tandem.cli.launcher import ClusterSpec, LocalCluster
+    from tandem.cli.launcher import ClusterSpec
     from tandem.common.redis_server import redacted_url
 
     if args.model and args.speculative_method == "draft" and not args.draft_model:
         args.parser.error("--speculative-method draft needs --draft-model DIR with --model")
+    on_ray = uses_ray(args)
+    if not on_ray and (ray_only := ray_only_flags_given(args)):
+        args.parser.error(f"{', '.join(ray_only)}: Ray settings, give --ray too")
+    if on_ray and args.log_dir is not None:
+        args.parser.error("--log-dir: on Ray each component logs to Ray's log folder (`ray logs`)")
     model = args.model or str(default_model())
     spec = ClusterSpec(
         model_dir=model,
@@ -148,7 +158,11 @@ def _run(args: argparse.Namespace) -> int:
         model_name=args.model_name,
         # The shipped weights are stored in bfloat16 to stay small; compute in float32
         # (a later --worker-arg=--dtype=... wins).
-        worker_args=(*(() if args.model else ("--dtype", "float32")), *args.worker_arg),
+        worker_args=(
+            *(() if args.model else ("--dtype", "float32")),
+            *_replica_args(args),
+            *args.worker_arg,
+        ),
         prefill_args=tuple(args.prefill_worker_arg),
         decode_args=(*_speculative_args(args), *args.decode_worker_arg),
         router_args=(
@@ -164,24 +178,38 @@ def _run(args: argparse.Namespace) -> int:
     )
     try:
         check_flags(spec)
+        placement = ray_spec(args) if on_ray else None
     except ValueError as err:  # a usage error: nothing was started
         print(f"tandem serve: error: {err}", file=sys.stderr)
         return 2
     planning = planner_config(args) if args.planner else None  # bad bounds: exit 2 now
-    cluster = LocalCluster(spec)
-    print(f"starting {spec.num_prefill} prefill + {spec.num_decode} decode workers for {model}")
+    cluster = _cluster(spec, placement)
+    tp = f" (tensor-parallel size {args.tensor_parallel_size})" * (args.tensor_parallel_size > 1)
+    where = f" on Ray ({args.ray_address or 'a local Ray'})" if on_ray else ""
+    print(
+        f"starting {spec.num_prefill} prefill + {spec.num_decode} decode replicas{tp} for "
+        f"{model}{where}",
+        flush=True,
+    )
     with cluster:
-        redis = redacted_url(cluster.redis_url) + (" (embedded)" if cluster.redis else "")
+        embedded = " (embedded)" if spec.redis_url is None else ""
         print(
-            f"tandem serving {cluster.model_name!r} at {cluster.router_address}; registry {redis}"
+            f"tandem serving {cluster.model_name!r} at {cluster.router_address}; registry "
+            f"{redacted_url(cluster.redis_url)}{embedded}"
         )
+        if on_ray:
+            print(
+                f"Ray: {cluster.ray_address}, namespace {args.ray_namespace!r} "
+                "(`ray list actors`; `tandem scale --role decode --replicas N`)"
+            )
         if args.http_port is not None:
             scheme = "https" if cluster.certs is not None else "http"
             print(f"OpenAI-compatible API at {scheme}://{args.host}:{args.http_port}/v1")
-        metrics = ", ".join(f"{n} :{p}" for n, p in cluster.metrics_ports.items())
-        print(f"Prometheus metrics at http://{args.host}:PORT/metrics: {metrics}")
+        metrics = ", ".join(f"{name} {url}" for name, url in cluster.metrics_urls.items())
+        print(f"Prometheus metrics: {metrics}")
         if cluster.certs is not None:
             print(f"TLS on; clients trust {cluster.certs.ca} (tandem generate --ssl-ca-certs)")
+        sys.stdout.flush()
         if args.demo:
             _demo(cluster)
             _print_speculation(cluster)
@@ -192,25 +220,38 @@ def _run(args: argparse.Namespace) -> int:
                 wait_for_signal()
         else:
             wait_for_signal()
-        print("stopping")
+        print("stopping", flush=True)
     return 0
 
 
+def _cluster(spec: ClusterSpec, placement) -> Cluster:
+    """A ``LocalCluster`` (processes), or a ``RayCluster`` for a ``RaySpec``."""
+    if placement is None:
+        from tandem.cli.launcher import LocalCluster
+
+        return LocalCluster(spec)
+    from tandem.ray.cluster import RayCluster
+
+    return RayCluster(spec, placement)
+
+
+def _replica_args(args: argparse.Namespace) -> list[str]:
+    """Worker flags from the replica-shape flags (tensor parallelism, KV pool)."""
+    out = []
+    if args.tensor_parallel_size > 1:
+        out += ["--tensor-parallel-size", str(args.tensor_parallel_size)]
+    if args.kv_cache_memory_gb is not None:
+        out += ["--kv-cache-memory-gb", str(args.kv_cache_memory_gb)]
+    return out
+
+
 @contextlib.contextmanager
-def _planner(cluster: LocalCluster, config, interval_s: float) -> Iterator[None]:
+def _planner(cluster: Cluster, config, interval_s: float) -> Iterator[None]:
     """The SLO planner on its own thread, scaling ``cluster``'s pools."""
     from tandem.planner.actuators import LocalClusterActuator
-    from tandem.planner.loop import Endpoints, Planner
+    from tandem.planner.loop import Planner
 
-    def endpoints() -> Endpoints:
-        url = f"http://{cluster.spec.host}:{{}}/metrics".format
-        ports = cluster.metrics_ports
-        return Endpoints(
-            url(ports["router"]),
-            [url(ports[n]) for n in cluster.workers("prefill") if n in ports],
-            [url(ports[n]) for n in cluster.workers("decode") if n in ports],
-        )
-
+    endpoints = cluster.planner_endpoints
     planner = Planner(config, LocalClusterActuator(cluster), endpoints, cluster.model_name)
     stop = threading.Event()
     thread = threading.Thread(target=planner.run, args=(interval_s, stop), name="planner")
@@ -290,7 +331,7 @@ def _api_keys(args: argparse.Namespace) -> tuple[str, ...]:
     return tuple(dict.fromkeys(k for k in [*args.api_key, *from_env] if k))
 
 
-def _demo(cluster: LocalCluster) -> None:
+def _demo(cluster: Cluster) -> None:
     from tandem.common.client import stream_generate
     from tandem.protos import common_pb2
 
@@ -315,12 +356,12 @@ def _demo(cluster: LocalCluster) -> None:
             )
 
 
-def _print_speculation(cluster: LocalCluster) -> None:
+def _print_speculation(cluster: Cluster) -> None:
     """What the decode workers' speculative decoding did (from their ``GetStatus``)."""
     from tandem.protos import worker_pb2, worker_pb2_grpc
 
-    for i in range(cluster.spec.num_decode):
-        with cluster.worker_channel(f"decode-{i}") as channel:
+    for name in cluster.workers("decode"):
+        with cluster.worker_channel(name) as channel:
             status = worker_pb2_grpc.DecodeWorkerStub(channel).GetStatus(
                 worker_pb2.StatusRequest(), timeout=10
             )
@@ -329,7 +370,7 @@ def _print_speculation(cluster: LocalCluster) -> None:
         spec = status.spec_decode
         if spec.num_draft_tokens and spec.num_request_passes:
             print(
-                f"[decode-{i} speculated: {spec.num_accepted_tokens} of "
+                f"[{name} speculated: {spec.num_accepted_tokens} of "
                 f"{spec.num_draft_tokens} drafted tokens accepted, "
                 f"{spec.num_pass_tokens / spec.num_request_passes:.2f} tokens per target "
                 "forward]"

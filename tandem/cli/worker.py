@@ -11,10 +11,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import uuid
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tandem.cli.options import (
     ATTENTION_BACKENDS,
@@ -30,6 +30,9 @@ from tandem.cli.options import (
     require_redis,
     setup_logging,
 )
+
+if TYPE_CHECKING:
+    from tandem.common.worker_host import WorkerOptions
 
 
 @dataclass(frozen=True)
@@ -200,7 +203,10 @@ def check_speculation(args: argparse.Namespace) -> None:
         args.parser.error("--speculative-method draft needs --draft-model DIR")
 
 
-def run(args: argparse.Namespace) -> int:
+def worker_options(args: argparse.Namespace) -> WorkerOptions:
+    """A worker's options from its parsed command line (``tandem prefill-worker`` /
+    ``decode-worker``, or the same command line in a Ray actor): a usage error exits 2,
+    a bad setting exits with its message."""
     from tandem.common.registry import WorkerRole
     from tandem.common.worker_host import WorkerOptions
 
@@ -210,14 +216,13 @@ def run(args: argparse.Namespace) -> int:
         tls = internal_tls(args)
     except ValueError as err:
         raise SystemExit(f"error: {err}") from err
-    setup_logging(args.log_level)
     prefill = args.role == "prefill"
     role_options = (
         {"lease_ttl_s": args.lease_ttl, "kv_store_port": args.kv_store_port}
         if prefill
         else {"kv_pull_timeout_s": args.kv_pull_timeout}
     )
-    options = WorkerOptions(
+    return WorkerOptions(
         role=WorkerRole(args.role),
         model_dir=args.model,
         model_name=args.model_name or Path(args.model).resolve().name,
@@ -236,9 +241,19 @@ def run(args: argparse.Namespace) -> int:
         metrics_port=args.metrics_port,
         **role_options,
     )
-    if prefill:
+
+
+def serve_worker(args: argparse.Namespace) -> Callable[..., Awaitable[None]]:
+    """The coroutine function that serves this worker role (``run(options, stop=None)``)."""
+    if args.role == "prefill":
         from tandem.prefill_worker.main import run as run_worker
     else:
         from tandem.decode_worker.main import run as run_worker
-    asyncio.run(run_worker(options))
+    return run_worker
+
+
+def run(args: argparse.Namespace) -> int:
+    options = worker_options(args)
+    setup_logging(args.log_level)
+    asyncio.run(serve_worker(args)(options))
     return 0
