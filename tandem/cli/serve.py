@@ -198,9 +198,12 @@ def _run(args: argparse.Namespace) -> int:
             f"{redacted_url(cluster.redis_url)}{embedded}"
         )
         if on_ray:
+            # A local Ray started by ray.init uses token authentication; Ray's CLI needs
+            # to be told so.
+            auth = "RAY_AUTH_MODE=token " if cluster.started_ray else ""
             print(
                 f"Ray: {cluster.ray_address}, namespace {args.ray_namespace!r} "
-                "(`ray list actors`; `tandem scale --role decode --replicas N`)"
+                f"(`{auth}ray list actors`; `tandem scale --role decode --replicas N`)"
             )
         if args.http_port is not None:
             scheme = "https" if cluster.certs is not None else "http"
