@@ -170,3 +170,12 @@ def test_scale_refuses_an_unreachable_ray_in_one_line(capsys: pytest.CaptureFixt
     assert _parse_error(["scale", "--role", "decode", "--replicas", "-1"], capsys).endswith(
         "--replicas must be >= 0, got -1\n"
     )
+
+
+def test_serve_takes_the_redis_url_from_the_environment(monkeypatch) -> None:
+    from tandem.cli.main import parse
+
+    monkeypatch.setenv("TANDEM_REDIS_URL", "redis://:pw@redis:6379/0")
+    assert parse(["serve"]).redis_url == "redis://:pw@redis:6379/0"
+    monkeypatch.delenv("TANDEM_REDIS_URL")
+    assert parse(["serve"]).redis_url is None

@@ -17,7 +17,7 @@ import pytest
 
 from tandem.cli.launcher import LocalCluster
 from tandem.common.metrics import Scrape
-from tandem.planner.actuators import DryRun, LocalClusterActuator
+from tandem.planner.actuators import ClusterActuator, DryRun
 from tandem.planner.loop import Endpoints, Planner
 from tandem.planner.policy import (
     CapacityModel,
@@ -203,7 +203,7 @@ def test_the_planner_scales_a_real_decode_pool_up_and_drains_it_down(
                 [url(n) for n in cluster.workers("decode")],
             )
 
-        planner = Planner(config, LocalClusterActuator(cluster), endpoints, cluster.model_name)
+        planner = Planner(config, ClusterActuator(cluster), endpoints, cluster.model_name)
         assert planner.tick() == []  # the first scrape: nothing to compare yet
         results = asyncio.run(complete_all(cluster.router_address, prompts, greedy))
         decisions = {d.pool: d for d in planner.tick()}

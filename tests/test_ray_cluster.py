@@ -293,37 +293,42 @@ def _serve_bench(cluster: RayCluster, out: Path, num_requests: int) -> dict:
 def test_planner_grows_the_ray_decode_pool_on_a_tpot_breach_and_drains_it_back(
     local_ray, model_dir, redis_url, tmp_path
 ) -> None:
-    from tandem.planner.actuators import LocalClusterActuator
-    from tandem.planner.loop import Planner
+    """``tandem planner --actuator ray`` (its own process, joining the cluster by address)
+    under ``bench/serve.py`` load: a TPOT breach adds a decode replica, the end of the
+    load drains it, nothing is lost."""
+    from tandem.common.metrics import Scrape
 
     cluster = _cluster(
-        model_dir,
-        redis_url,
-        prefill=1,
-        decode=1,
-        tp=1,
-        worker_env=SLOW_DECODE_0,
-        metrics_port=0,
+        model_dir, redis_url, prefill=1, decode=1, tp=1, worker_env=SLOW_DECODE_0, metrics_port=0
     )
     config = tpot_breach_planner()
-    with cluster:
-        planner = Planner(
-            config, LocalClusterActuator(cluster), cluster.planner_endpoints, cluster.model_name
-        )
-        stop = threading.Event()
-        loop = threading.Thread(target=planner.run, args=(1.0, stop), daemon=True)
-        loop.start()
+    command = [sys.executable, "-m", "tandem.cli", "planner", "--actuator", "ray"]
+    command += ["--tpot-p99", str(config.tpot_p99_s), "--planner-interval", "1"]
+    command += ["--min-decode", "1", "--max-decode", "2", "--min-prefill", "1"]
+    command += ["--max-prefill", "1", "--scale-up-cooldown", "0", "--scale-down-cooldown", "0"]
+    command += ["--down-stable", "0", "--lead-time", "1", "--metrics-port", "0"]
+    log = tmp_path / "planner.log"
+    with cluster, log.open("w") as out:
+        command += ["--ray-address", cluster.ray_address]
+        command += ["--ray-namespace", cluster.ray_spec.namespace]
+        planner = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT)
         try:
+            _wait(lambda: "planner metrics at" in log.read_text(), 60, "the planner to start")
+            assert "planner: decode pool = 1 replicas on Ray (decode-0)" in log.read_text()
+            (url,) = [w for w in log.read_text().split() if w.endswith("/metrics")]
             up = _serve_bench(cluster, tmp_path / "up.json", 32)
             _wait(lambda: len(cluster.workers("decode")) == 2, 120, "a second decode replica")
-            assert planner.metrics.value("planner_target_replicas", pool="decode") == 2
             more = _serve_bench(cluster, tmp_path / "more.json", 16)
             _wait(lambda: cluster.workers("decode") == ["decode-0"], 120, "the drain back to 1")
+            events = Scrape.of(url)
         finally:
-            stop.set()
-            loop.join(timeout=60)
+            planner.send_signal(signal.SIGINT)
+            assert planner.wait(timeout=60) == 0, log.read_text()[-3000:]
         assert (up["num_failed"], more["num_failed"]) == (0, 0)
         assert up["num_completed"] + more["num_completed"] == 48
-        down = planner.metrics.value("planner_scale_events_total", pool="decode", direction="down")
-        assert down >= 1
+        for direction in ("up", "down"):
+            count = events.value(
+                "tandem:planner_scale_events_total", pool="decode", direction=direction
+            )
+            assert count >= 1, (direction, log.read_text()[-3000:])
         assert "tandem-decode-1" not in {a.name for a in _alive(cluster.ray_spec.namespace)}

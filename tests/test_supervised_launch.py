@@ -108,7 +108,8 @@ def test_secrets_stay_off_command_lines_and_out_of_messages(model_dir) -> None:
 
     url = "redis://:s3cret@10.0.0.1:6379/0"
     cluster = LocalCluster(ClusterSpec(model_dir=str(model_dir), redis_url=url))
-    assert not any("s3cret" in arg for arg in cluster._component_args("decode-worker"))
+    commands = [cluster.commands.router(), cluster.commands.worker("decode", "decode-0")]
+    assert not any("s3cret" in arg for command in commands for arg in command)
     assert redacted_url(url) == "redis://:***@10.0.0.1:6379/0"
     assert redacted_url("rediss://app:pw@redis.internal/2") == "rediss://app:***@redis.internal/2"
     assert redacted_url("redis://127.0.0.1:6390/0") == "redis://127.0.0.1:6390/0"

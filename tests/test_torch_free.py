@@ -75,7 +75,9 @@ def test_the_cli_imports_its_components_only_when_a_command_runs() -> None:
     modules = _modules(tandem.cli)
     assert "tandem.cli.serve" in modules
     loaded = _import_without_torch(modules)
-    assert _outside(loaded, ("tandem.cli", *CORE_MAY_IMPORT)) == []
+    # tandem.ray.spec: the plain dataclasses Ray flags parse into (Ray itself is not imported)
+    allowed = {"tandem.ray", "tandem.ray.spec"}
+    assert set(_outside(loaded, ("tandem.cli", *CORE_MAY_IMPORT))) <= allowed
 
 
 @pytest.mark.parametrize("module", TORCH_FREE_ENGINE_MODULES)

@@ -17,6 +17,7 @@ next collective within milliseconds), and the replica fails as a whole
 
 from __future__ import annotations
 
+import abc
 import logging
 import os
 import pickle
@@ -93,15 +94,16 @@ def _run_rank_process(spec: RankSpec) -> None:
         log.warning("%s; rank %d exits", lost, spec.rank)
 
 
-class Ranks:
+class Ranks(abc.ABC):
     """Ranks 1..N-1 of a replica, as rank 0 sees them."""
 
+    @abc.abstractmethod
     def alive(self) -> bool:
-        raise NotImplementedError
+        """Whether every rank still runs."""
 
+    @abc.abstractmethod
     def stop(self, timeout_s: float) -> None:
         """Waits for the ranks to end (after the STOP plan), then makes sure they did."""
-        raise NotImplementedError
 
 
 class LocalRanks(Ranks):

@@ -1,14 +1,25 @@
 """``tandem planner``: decide prefill and decode replica counts against TTFT / TPOT
-targets from the components' ``/metrics``. Here it runs as a dry run (every decision
-logged with its inputs, and exported on ``--metrics-port``); ``tandem serve --planner``
-acts on the cluster it started. The Kubernetes and Ray actuators come with those
-deployments' scaling APIs."""
+targets from the components' ``/metrics``, and act on them through an actuator: a dry
+run (``--actuator dry-run``: every decision logged with its inputs, nothing changed), the
+worker Deployments of a Helm release (``--actuator kubernetes``) or a cluster on Ray
+(``--actuator ray``). Every decision is
+logged and exported on ``--metrics-port``. ``tandem serve --planner`` acts on the cluster
+it started."""
 
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
 
 from tandem.cli.options import add_command, positive_int, setup_logging
+from tandem.cli.ray_flags import add_join_options
+
+if TYPE_CHECKING:
+    from tandem.planner.actuators import Actuator
+    from tandem.planner.loop import Endpoints
 
 
 def add_planner_options(parser: argparse.ArgumentParser) -> None:
@@ -44,6 +55,7 @@ def add_planner_options(parser: argparse.ArgumentParser) -> None:
 
 
 def planner_config(args: argparse.Namespace):
+    """The ``PlannerConfig`` of the flags; impossible settings exit 2 with the reason."""
     from tandem.planner.policy import PlannerConfig, PoolBounds
 
     try:
@@ -63,17 +75,69 @@ def planner_config(args: argparse.Namespace):
         args.parser.error(str(err))
 
 
+@dataclass(frozen=True)
+class Target:
+    """What the planner acts on and reads from: an actuator and its endpoints (called
+    once a round: replicas come and go)."""
+
+    actuator: Actuator
+    endpoints: Callable[[], Endpoints]
+
+
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     planner = add_command(
-        subparsers, "planner", "decide prefill / decode replica counts (dry run)", __doc__
+        subparsers,
+        "planner",
+        "decide prefill / decode replica counts and act on them (dry run, Kubernetes, Ray)",
+        __doc__,
     )
-    planner.add_argument("--router-metrics", required=True, help="the router's /metrics URL")
     planner.add_argument(
+        "--actuator",
+        choices=tuple(ACTUATORS),
+        default="dry-run",
+        help="dry-run: log what it would do; kubernetes: scale a Helm release's worker "
+        "Deployments, finding every pod's /metrics itself; ray: scale a `tandem serve --ray` "
+        "cluster through its controller, which knows every replica's /metrics",
+    )
+    dry = planner.add_argument_group("--actuator dry-run", "Where the metrics are.")
+    dry.add_argument("--router-metrics", help="the router's /metrics URL (required)")
+    dry.add_argument(
         "--prefill-metrics", action="append", default=[], help="a prefill worker's /metrics URL"
     )
-    planner.add_argument(
+    dry.add_argument(
         "--decode-metrics", action="append", default=[], help="a decode worker's /metrics URL"
     )
+    kube = planner.add_argument_group(
+        "--actuator kubernetes",
+        "A release of deploy/helm/tandem: pods by their labels (app.kubernetes.io/instance "
+        "= the release), Deployments <release>-prefill / <release>-decode.",
+    )
+    kube.add_argument("--release", help="the Helm release's name (required)")
+    kube.add_argument(
+        "--namespace",
+        help="the release's namespace (default: the planner pod's own, else the kubeconfig "
+        "context's, else default)",
+    )
+    for pool in ("prefill", "decode"):
+        kube.add_argument(
+            f"--{pool}-deployment",
+            help=f"the {pool} Deployment's name (default: <release>-{pool}; set it when the "
+            "chart's fullnameOverride renamed it)",
+        )
+    kube.add_argument(
+        "--kubeconfig",
+        type=Path,
+        help="a kubeconfig file (default: the pod's service account in a cluster, else "
+        "$KUBECONFIG or ~/.kube/config)",
+    )
+    kube.add_argument(
+        "--pod-deletion-cost",
+        action="store_true",
+        help="before scaling a pool down, annotate its pods with the requests each holds "
+        "so Kubernetes removes the least-loaded one (needs patch on pods)",
+    )
+    ray = planner.add_argument_group("--actuator ray", "A cluster `tandem serve --ray` started.")
+    add_join_options(ray, default_address="auto")
     planner.add_argument(
         "--metrics-port", type=int, help="serve the planner's own /metrics here (default: off)"
     )
@@ -83,19 +147,87 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     planner.set_defaults(run=_run)
 
 
+def _dry_run(args: argparse.Namespace) -> Target:
+    from tandem.planner.actuators import DryRun
+    from tandem.planner.loop import Endpoints
+
+    kubernetes_flags = ("release", "namespace", "prefill_deployment", "decode_deployment")
+    _refuse(args, "dry-run", (*kubernetes_flags, "kubeconfig", "pod_deletion_cost"))
+    if not args.router_metrics:
+        args.parser.error("--actuator dry-run needs --router-metrics URL")
+    endpoints = Endpoints(args.router_metrics, args.prefill_metrics, args.decode_metrics)
+    actuator = DryRun(len(args.prefill_metrics), len(args.decode_metrics))
+    return Target(actuator, lambda: endpoints)
+
+
+def _kubernetes(args: argparse.Namespace) -> Target:
+    _refuse(args, "kubernetes", ("router_metrics", "prefill_metrics", "decode_metrics"))
+    if not args.release:
+        args.parser.error("--actuator kubernetes needs --release NAME")
+    try:
+        from tandem.planner import kubernetes as k8s
+    except ImportError as err:  # the client is an extra
+        raise SystemExit(
+            f"tandem planner: error: --actuator kubernetes needs the kubernetes client "
+            f"(pip install 'tandem[kubernetes]'): {err}"
+        ) from None
+    namespace = args.namespace or k8s.default_namespace(args.kubeconfig)
+    release = k8s.Release.of(
+        namespace, args.release, args.prefill_deployment, args.decode_deployment
+    )
+    api = k8s.api_client(args.kubeconfig)
+    actuator = k8s.KubernetesActuator(api, release, deletion_cost=args.pod_deletion_cost)
+    counts = actuator.check_access()  # a missing permission fails now, in one line
+    for pool, count in counts.items():
+        print(
+            f"planner: {pool} pool = Deployment {namespace}/{release.deployment(pool)}, "
+            f"replicas: {count}",
+            flush=True,
+        )
+    return Target(actuator, k8s.PodEndpoints(api, release))
+
+
+def _ray(args: argparse.Namespace) -> Target:
+    from tandem.planner.actuators import ClusterActuator
+    from tandem.ray.cluster import RayCluster
+
+    kubernetes_flags = ("release", "namespace", "prefill_deployment", "decode_deployment")
+    dry_run_flags = ("router_metrics", "prefill_metrics", "decode_metrics")
+    _refuse(args, "ray", (*kubernetes_flags, *dry_run_flags, "kubeconfig", "pod_deletion_cost"))
+    cluster = RayCluster.attach(args.ray_address, args.ray_namespace)
+    for pool in ("prefill", "decode"):
+        workers = cluster.workers(pool)
+        print(f"planner: {pool} pool = {len(workers)} replicas on Ray ({', '.join(workers)})")
+    return Target(ClusterActuator(cluster), cluster.planner_endpoints)
+
+
+ACTUATORS: dict[str, Callable[[argparse.Namespace], Target]] = {
+    "dry-run": _dry_run,
+    "kubernetes": _kubernetes,
+    "ray": _ray,
+}
+"""``--actuator`` choices: each builds its ``Target`` from the parsed flags (a usage
+error exits 2) and refuses the flags of the others."""
+
+
+def _refuse(args: argparse.Namespace, actuator: str, dests: tuple[str, ...]) -> None:
+    given = [d for d in dests if getattr(args, d)]
+    if given:
+        flags = ", ".join("--" + d.replace("_", "-") for d in given)
+        args.parser.error(f"{flags}: not with --actuator {actuator}")
+
+
 def _run(args: argparse.Namespace) -> int:
     import threading
 
     from tandem.cli.serve import wait_for_signal
     from tandem.common.metrics import MetricsServer
-    from tandem.planner.actuators import DryRun
-    from tandem.planner.loop import Endpoints, Planner
+    from tandem.planner.loop import Planner
 
     config = planner_config(args)
     setup_logging(args.log_level)
-    endpoints = Endpoints(args.router_metrics, args.prefill_metrics, args.decode_metrics)
-    actuator = DryRun(len(args.prefill_metrics), len(args.decode_metrics))
-    planner = Planner(config, actuator, lambda: endpoints)
+    target = ACTUATORS[args.actuator](args)
+    planner = Planner(config, target.actuator, target.endpoints)
     server = None
     if args.metrics_port is not None:
         server = MetricsServer(planner.metrics.registry, args.host, args.metrics_port)

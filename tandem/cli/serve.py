@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import os
 import signal
 import sys
 import threading
@@ -62,7 +63,12 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "ones (prefill-0, prefill-1, ..., decode-0, ...); default 0: free ports, printed",
     )
     serve.add_argument("--host", default="127.0.0.1", help="address every process listens on")
-    serve.add_argument("--redis-url", help="an existing Redis (default: start an embedded one)")
+    serve.add_argument(
+        "--redis-url",
+        default=os.environ.get("TANDEM_REDIS_URL"),
+        help="an existing Redis; a password stays off the command line in $TANDEM_REDIS_URL "
+        "(default: $TANDEM_REDIS_URL, else start an embedded one)",
+    )
     serve.add_argument("--log-dir", type=Path, help="one log file per process (default: echo)")
     serve.add_argument("--demo", action="store_true", help="answer a sample request, then stop")
     security = serve.add_argument_group("security")
@@ -251,11 +257,11 @@ def _replica_args(args: argparse.Namespace) -> list[str]:
 @contextlib.contextmanager
 def _planner(cluster: Cluster, config, interval_s: float) -> Iterator[None]:
     """The SLO planner on its own thread, scaling ``cluster``'s pools."""
-    from tandem.planner.actuators import LocalClusterActuator
+    from tandem.planner.actuators import ClusterActuator
     from tandem.planner.loop import Planner
 
     endpoints = cluster.planner_endpoints
-    planner = Planner(config, LocalClusterActuator(cluster), endpoints, cluster.model_name)
+    planner = Planner(config, ClusterActuator(cluster), endpoints, cluster.model_name)
     stop = threading.Event()
     thread = threading.Thread(target=planner.run, args=(interval_s, stop), name="planner")
     thread.start()
@@ -328,8 +334,6 @@ def default_model() -> Path:
 
 
 def _api_keys(args: argparse.Namespace) -> tuple[str, ...]:
-    import os
-
     from_env = [k.strip() for k in os.environ.get("TANDEM_API_KEYS", "").split(",")]
     return tuple(dict.fromkeys(k for k in [*args.api_key, *from_env] if k))
 

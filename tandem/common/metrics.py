@@ -275,6 +275,17 @@ class Scrape:
         with urllib.request.urlopen(url, timeout=timeout_s) as answer:
             return cls(answer.read().decode())
 
+    @classmethod
+    def merged(cls, scrapes: Sequence[Scrape]) -> Scrape:
+        """One scrape holding the samples of all of ``scrapes``: ``value`` and the
+        histogram buckets then sum over them (e.g. several routers' counts)."""
+        if len(scrapes) == 1:
+            return scrapes[0]
+        merged = cls("")
+        merged.text = "".join(s.text for s in scrapes)
+        merged.samples = [sample for s in scrapes for sample in s.samples]
+        return merged
+
     def value(self, name: str, **labels: str) -> float:
         """The sum of the samples named ``name`` (prefix optional) whose labels include
         ``labels``; 0 when there are none."""

@@ -2,9 +2,11 @@
 sets it; scaling down must drain (the workers' own SIGTERM path does: leave the registry,
 finish or hand over the streams, exit).
 
-``DryRun`` only records; ``LocalClusterActuator`` scales the processes of a
-``tandem.cli.launcher.LocalCluster`` (``tandem serve``). The Kubernetes actuator (patching
-the Deployments' scale) and the Ray one come with those deployments' scaling APIs.
+``DryRun`` only records; ``ClusterActuator`` scales a cluster Tandem launched, as
+processes (``tandem serve``) or on Ray (``tandem serve --ray``, ``tandem planner
+--actuator ray``);
+``tandem.planner.kubernetes.KubernetesActuator`` patches the ``scale`` of the chart's
+worker Deployments (``tandem planner --actuator kubernetes``).
 """
 
 from __future__ import annotations
@@ -18,6 +20,10 @@ POOLS = ("prefill", "decode")
 
 
 class Actuator(Protocol):
+    """``replicas``: the count the pool is set to (``pool`` is one of ``POOLS``);
+    ``scale``: set it, returning once the change is asked for (replicas may still be
+    starting or draining)."""
+
     def replicas(self, pool: str) -> int: ...
 
     def scale(self, pool: str, replicas: int) -> None: ...
@@ -37,8 +43,21 @@ class DryRun:
         self.counts[pool] = replicas
 
 
-class LocalClusterActuator:
-    def __init__(self, cluster) -> None:  # a tandem.cli.launcher.LocalCluster
+class ScalableCluster(Protocol):
+    """A cluster Tandem launched: ``tandem.cli.launcher.LocalCluster`` (processes) or
+    ``tandem.ray.cluster.RayCluster`` (Ray actors). ``scale`` adds replicas that serve
+    before it returns, or drains the newest before removing them."""
+
+    def workers(self, role: str) -> list[str]: ...
+
+    def scale(self, role: str, replicas: int) -> None: ...
+
+
+class ClusterActuator:
+    """Scales a ``ScalableCluster``: ``tandem serve --planner`` (with or without
+    ``--ray``) and ``tandem planner --actuator ray``."""
+
+    def __init__(self, cluster: ScalableCluster) -> None:
         self.cluster = cluster
 
     def replicas(self, pool: str) -> int:

@@ -20,11 +20,18 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class Endpoints:
-    """``/metrics`` URLs: the router's and each worker's, by pool."""
+    """``/metrics`` URLs: the router's and each worker's, by pool. With several routers
+    (replicas behind one Service), ``more_routers`` holds the others: each sees only
+    the requests it routed, so their counts add up."""
 
     router: str
     prefill: Sequence[str]
     decode: Sequence[str]
+    more_routers: Sequence[str] = ()
+
+    @property
+    def routers(self) -> list[str]:
+        return [self.router, *self.more_routers]
 
 
 class Planner:
@@ -72,23 +79,25 @@ class Planner:
         self.decisions: list[Decision] = []
 
     def tick(self) -> list[Decision]:
-        """One round; no decision until two scrapes exist."""
+        """One round; no decision until two scrapes of a router exist. Only components
+        that answered both scrapes count (one starting or going away is left out)."""
         endpoints = self.endpoints()
         now = self.clock()
-        scraped = _scrape_all([endpoints.router, *endpoints.prefill, *endpoints.decode])
+        scraped = _scrape_all([*endpoints.routers, *endpoints.prefill, *endpoints.decode])
         previous, self._previous = self._previous, (now, scraped)
-        if (
-            previous is None
-            or endpoints.router not in scraped
-            or endpoints.router not in previous[1]
-        ):
+        if previous is None:
             return []
         then, before = previous
         both = lambda urls: [u for u in urls if u in scraped and u in before]  # noqa: E731
-        pre, dec = both(endpoints.prefill), both(endpoints.decode)
+        routers, pre, dec = both(endpoints.routers), both(endpoints.prefill), both(endpoints.decode)
+        if not routers:
+            return []
         s = signals(
             now - then,
-            (before[endpoints.router], scraped[endpoints.router]),
+            (
+                Scrape.merged([before[u] for u in routers]),
+                Scrape.merged([scraped[u] for u in routers]),
+            ),
             ([before[u] for u in pre], [scraped[u] for u in pre]),
             ([before[u] for u in dec], [scraped[u] for u in dec]),
         )

@@ -87,18 +87,63 @@ redis://{{ if .Values.redis.auth.secretName }}:$(REDIS_PASSWORD)@{{ end }}{{ inc
 {{- end -}}
 
 {{- define "tandem.probes" -}}
+{{ include "tandem.grpcProbes" (dict "root" . "startupSeconds" .Values.startupTimeoutSeconds) }}
+{{- end -}}
+
+{{/* gRPC health probes on the health port; the startup probe allows startupSeconds. */}}
+{{- define "tandem.grpcProbes" -}}
+{{- $port := .root.Values.ports.health -}}
 readinessProbe:
-  grpc: {port: {{ .Values.ports.health }}, service: ""}
+  grpc: {port: {{ $port }}, service: ""}
   periodSeconds: 5
   failureThreshold: 2
 livenessProbe:
-  grpc: {port: {{ .Values.ports.health }}, service: tandem.liveness}
+  grpc: {port: {{ $port }}, service: tandem.liveness}
   periodSeconds: 10
   failureThreshold: 6
 startupProbe:
-  grpc: {port: {{ .Values.ports.health }}, service: tandem.liveness}
+  grpc: {port: {{ $port }}, service: tandem.liveness}
   periodSeconds: 5
-  failureThreshold: {{ .Values.startupTimeoutSeconds | div 5 }}
+  failureThreshold: {{ div .startupSeconds 5 }}
+{{- end -}}
+
+{{/* The planner's SLO and bounds flags (tandem/cli/planner.py add_planner_options), one
+list item each: for `tandem planner` and for `tandem serve --ray --planner`. */}}
+{{- define "tandem.plannerArgs" -}}
+{{- $p := .Values.planner -}}
+{{- range $flag, $value := dict
+    "--ttft-p99" $p.ttftP99Seconds "--tpot-p99" $p.tpotP99Seconds
+    "--min-prefill" $p.prefill.minReplicas "--max-prefill" $p.prefill.maxReplicas
+    "--min-decode" $p.decode.minReplicas "--max-decode" $p.decode.maxReplicas
+    "--planner-interval" $p.intervalSeconds "--lead-time" $p.leadTimeSeconds
+    "--scale-up-cooldown" $p.scaleUpCooldownSeconds
+    "--scale-down-cooldown" $p.scaleDownCooldownSeconds
+    "--down-stable" $p.downStableSeconds "--max-step-up" $p.maxStepUp
+    "--target-busy" $p.targetBusy }}
+- {{ $flag }}
+- {{ $value | toString | quote }}
+{{- end }}
+{{- end -}}
+
+{{/* Bounds a template checks (JSON schema cannot compare two fields). */}}
+{{- define "tandem.checks" -}}
+{{- $p := .Values.planner -}}
+{{- range $pool := list "prefill" "decode" }}
+{{- $b := index $p $pool }}
+{{- if and $p.enabled (gt (int $b.minReplicas) (int $b.maxReplicas)) }}
+{{- fail (printf "planner.%s: minReplicas (%v) is above maxReplicas (%v)" $pool $b.minReplicas $b.maxReplicas) }}
+{{- end }}
+{{- if eq $.Values.workers.mode "kuberay" }}
+{{- $g := index $.Values.kuberay $pool }}
+{{- $n := index $.Values $pool "replicas" }}
+{{- if or (gt (int $g.minReplicas) (int $n)) (gt (int $n) (int $g.maxReplicas)) }}
+{{- fail (printf "kuberay.%s: %s.replicas (%v) must lie within minReplicas (%v) and maxReplicas (%v)" $pool $pool $n $g.minReplicas $g.maxReplicas) }}
+{{- end }}
+{{- if and $p.enabled (gt (int $b.maxReplicas) (int $g.maxReplicas)) }}
+{{- fail (printf "kuberay.%s.maxReplicas (%v) is below planner.%s.maxReplicas (%v): the Ray autoscaler could not add the pods the planner asks for" $pool $g.maxReplicas $pool $b.maxReplicas) }}
+{{- end }}
+{{- end }}
+{{- end }}
 {{- end -}}
 
 {{- define "tandem.lifecycle" -}}
@@ -117,5 +162,113 @@ initContainers:
     command: {{- toYaml .Values.model.initContainer.command | nindent 6 }}
     volumeMounts: [{name: model, mountPath: /models}]
     securityContext: {{- toYaml .Values.securityContext | nindent 6 }}
+{{- end }}
+{{- end -}}
+
+{{/* kuberay mode: Ray's own health over HTTP (the image has no wget for KubeRay's
+default exec probes): `ready` on `port` for readiness, the raylet for liveness. */}}
+{{- define "tandem.rayProbes" -}}
+readinessProbe:
+  httpGet: {path: {{ .ready }}, port: {{ .port }}}
+  periodSeconds: 5
+  failureThreshold: 6
+livenessProbe:
+  httpGet: {path: /api/local_raylet_healthz, port: 52365}
+  periodSeconds: 10
+  failureThreshold: 6
+startupProbe:
+  httpGet: {path: /api/local_raylet_healthz, port: 52365}
+  periodSeconds: 5
+  failureThreshold: 60
+{{- end -}}
+
+{{/* kuberay mode: what the head pod's containers share. /tmp/ray (Ray's session: the
+raylet's sockets) is one volume named as KubeRay names it, so the autoscaler it adds
+shares it too. */}}
+{{- define "tandem.rayMounts" -}}
+- {name: tmp, mountPath: /tmp}
+- {name: ray-logs, mountPath: /tmp/ray}
+- {name: shm, mountPath: /dev/shm}
+- {name: cache, mountPath: /cache}
+{{- include "tandem.modelMount" . }}
+{{- end -}}
+
+{{- define "tandem.rayVolumes" -}}
+- {name: tmp, emptyDir: {}}
+- {name: ray-logs, emptyDir: {}}
+- {name: cache, emptyDir: {}}
+- name: shm
+  emptyDir: {medium: Memory, sizeLimit: {{ .shmSize }}}
+{{- include "tandem.modelVolume" .root }}
+{{- end -}}
+
+{{/* kuberay mode: the head's `tandem serve --ray` command line, one list item a word. */}}
+{{- define "tandem.rayServeArgs" -}}
+{{- $k := .Values.kuberay -}}
+- serve
+- --ray
+- --ray-address
+- 127.0.0.1:6379
+- --ray-namespace
+- {{ $k.rayNamespace | quote }}
+- --host
+- 0.0.0.0
+- --port
+- {{ .Values.ports.api | quote }}
+- --http-port
+- {{ .Values.ports.http | quote }}
+- --metrics-port
+- {{ .Values.ports.metrics | quote }}
+{{- if ne .Values.model.source "builtin" }}
+- --model
+- /models/{{ .Values.model.path }}
+{{- end }}
+{{- with .Values.model.name }}
+- --model-name
+- {{ . | quote }}
+{{- end }}
+- --prefill-workers
+- {{ .Values.prefill.replicas | quote }}
+- --decode-workers
+- {{ .Values.decode.replicas | quote }}
+- --tensor-parallel-size
+- {{ $k.tensorParallelSize | quote }}
+- --cpus-per-rank
+- {{ $k.cpusPerRank | quote }}
+- --gpus-per-rank
+- {{ $k.gpusPerRank | quote }}
+- --prefill-node-label
+- tandem.dev/pool=prefill
+- --decode-node-label
+- tandem.dev/pool=decode
+{{- if $k.kvCacheMemoryGb }}
+- --kv-cache-memory-gb
+- {{ $k.kvCacheMemoryGb | toString | quote }}
+{{- end }}
+{{- range $role := list "prefill" "decode" }}
+{{- range $resource, $amount := index $k $role "rayResources" }}
+- --{{ $role }}-ray-resource
+- {{ printf "%s=%v" $resource $amount | quote }}
+{{- end }}
+{{- end }}
+- --router-arg=--health-port={{ .Values.ports.health }}
+{{- if .Values.apiKeys.secretName }}
+- --router-arg=--api-key-file=/secrets/api-keys/{{ .Values.apiKeys.secretKey }}
+{{- end }}
+{{- range .Values.router.args }}
+- {{ printf "--router-arg=%s" . | quote }}
+{{- end }}
+{{- range .Values.engine.args }}
+- {{ printf "--worker-arg=%s" . | quote }}
+{{- end }}
+{{- range .Values.prefill.args }}
+- {{ printf "--prefill-worker-arg=%s" . | quote }}
+{{- end }}
+{{- range .Values.decode.args }}
+- {{ printf "--decode-worker-arg=%s" . | quote }}
+{{- end }}
+{{- if .Values.planner.enabled }}
+- --planner
+{{ include "tandem.plannerArgs" . | trim }}
 {{- end }}
 {{- end -}}
