@@ -144,3 +144,22 @@ def test_linear_backend_follows_the_model_size() -> None:
         LinearBackend.TORCH
     )
     assert select_linear_backend(None, cpu, torch.float16, 4096) is LinearBackend.TORCH
+
+
+def test_packing_replaces_each_linear_once(make_checkpoint: Callable[..., Path]) -> None:
+    """Per layer: q/k/v, o_proj and the MLP (gate/up and down together); plus the LM
+    head. A replaced MLP's own linears are not packed again (that once kept every
+    original weight alive until packing ended: twice the weights' memory at the peak)."""
+    from torch import nn
+
+    from tandem.common.model_config import ModelConfig
+    from tandem.engine.layers.linear import onednn_supports, pack_linear_layers
+    from tandem.engine.loader import load_model
+
+    if not onednn_supports(torch.device("cpu"), torch.float32):
+        pytest.skip("oneDNN linear is unavailable in this torch build")
+    model_dir = make_checkpoint("llama")
+    config = ModelConfig.from_dir(model_dir)
+    model = load_model(model_dir, config, torch.float32, torch.device("cpu"))
+    assert pack_linear_layers(model) == 3 * config.num_layers + 1
+    assert not any(isinstance(m, nn.Linear) for m in model.modules())

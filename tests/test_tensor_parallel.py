@@ -121,6 +121,24 @@ def test_each_rank_holds_exactly_its_slice(case: str, make_checkpoint) -> None:
         assert held < 0.6 * sum(t.numel() for t in full.values())
 
 
+def test_tp2_with_onednn_packed_linears_keeps_the_all_reduce(
+    make_checkpoint: Callable[..., Path], prompts: list[list[int]]
+) -> None:
+    """oneDNN, the default linear backend from hidden size 256 up, replaces every
+    ``nn.Linear`` by a packed copy; a row-parallel layer's must still sum over the ranks
+    (it once did not, and TP=2 output was garbage for every model but the tiniest)."""
+    from tandem.engine.layers.linear import onednn_supports
+
+    if not onednn_supports(torch.device("cpu"), torch.float32):
+        pytest.skip("oneDNN linear is unavailable in this torch build")
+    model_dir = make_checkpoint("llama")
+    kwargs = {"dtype": "float32", "num_kv_blocks": 128, "linear_backend": "onednn"}
+    single = LLM(model_dir, **kwargs).generate(prompts, GREEDY)
+    with LLM(model_dir, tensor_parallel_size=2, num_threads=1, **kwargs) as llm:
+        outs = llm.generate(prompts, GREEDY)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in single]
+
+
 def test_indivisible_sizes_are_refused_by_name(make_checkpoint) -> None:
     model_dir = make_checkpoint("llama")  # 4 heads, 2 KV heads, intermediate 192
     with pytest.raises(ValueError, match=r"tensor_parallel_size 3 .*num_attention_heads \(4\)"):

@@ -16,6 +16,7 @@ intermediate tensor is written and read back.
 from __future__ import annotations
 
 import enum
+from typing import Protocol, runtime_checkable
 
 import torch
 from torch import nn
@@ -73,6 +74,19 @@ class PackedLinear(nn.Module):
         return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
 
 
+@runtime_checkable
+class PacksItself(Protocol):
+    """A linear layer that does more than its product (a row-parallel layer's
+    all-reduce): packing must keep the rest, so the layer packs itself."""
+
+    def packed(self) -> nn.Module: ...
+
+
+def packed_linear(linear: nn.Linear) -> nn.Module:
+    """``linear`` with its weight pre-packed, doing what ``linear`` did."""
+    return linear.packed() if isinstance(linear, PacksItself) else PackedLinear(linear)
+
+
 class PackedGatedMLP(nn.Module):
     """``down(silu(gate(x)) * up(x))`` with the SiLU and the product fused into GEMMs."""
 
@@ -81,7 +95,7 @@ class PackedGatedMLP(nn.Module):
         gate, up = mlp.gate_up_proj.weight.detach().split(mlp.intermediate_size)
         self.gate = torch.ops.mkldnn._reorder_linear_weight(gate.contiguous())
         self.up = torch.ops.mkldnn._reorder_linear_weight(up.contiguous())
-        self.down_proj = PackedLinear(mlp.down_proj)
+        self.down_proj = packed_linear(mlp.down_proj)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate = torch.ops.mkldnn._linear_pointwise(x, self.gate, None, "swish", [], "")
@@ -94,13 +108,16 @@ def pack_linear_layers(model: nn.Module) -> int:
     returns how many modules changed. The original weights are dropped (the embedding
     keeps its own copy of a tied output projection)."""
     count = 0
-    for module in list(model.modules()):
-        for name, child in list(module.named_children()):
-            if isinstance(child, GatedMLP):
-                setattr(module, name, PackedGatedMLP(child))
-            elif isinstance(child, nn.Linear):
-                setattr(module, name, PackedLinear(child))
-            else:
-                continue
-            count += 1
+    # Recursive, and never into a module it replaced: a snapshot of ``model.modules()``
+    # would also pack the replaced MLPs' linears and keep every original weight alive
+    # until the end (twice the weights' memory at the peak).
+    for name, child in list(model.named_children()):
+        if isinstance(child, GatedMLP):
+            setattr(model, name, PackedGatedMLP(child))
+        elif isinstance(child, nn.Linear):
+            setattr(model, name, packed_linear(child))
+        else:
+            count += pack_linear_layers(child)
+            continue
+        count += 1
     return count

@@ -8,7 +8,9 @@ so no rank ever holds a full weight.
   q/k/v heads, gate/up columns). One fused parameter may stack several checkpoint
   tensors (``q_proj``, ``k_proj``, ``v_proj``), each with its own slice.
 - ``RowParallelLinear``: input columns split; the partial products are summed over the
-  ranks (one all-reduce: ``o_proj``, ``down_proj``).
+  ranks (one all-reduce: ``o_proj``, ``down_proj``). Packed for oneDNN
+  (``layers.linear.pack_linear_layers``) it becomes ``PackedRowParallelLinear``, which
+  keeps the all-reduce.
 - ``VocabParallelEmbedding``: vocabulary rows split; a rank looks up the ids it holds,
   zeros the rest, and one all-reduce adds the ranks' rows (exactly one is non-zero).
 - ``ParallelLMHead``: vocabulary rows split; rank 0 gathers the logits for sampling.
@@ -24,6 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tandem.engine.layers.linear import PackedLinear
 from tandem.engine.parallel.group import TensorParallelGroup
 
 
@@ -89,6 +92,22 @@ class RowParallelLinear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.group.all_reduce(F.linear(x, self.weight))
+
+    def packed(self) -> PackedRowParallelLinear:
+        """This layer with its weight pre-packed for oneDNN, the all-reduce kept."""
+        return PackedRowParallelLinear(PackedLinear(self), self.group)
+
+
+class PackedRowParallelLinear(nn.Module):
+    """A ``RowParallelLinear`` whose weight oneDNN reordered once; inference only."""
+
+    def __init__(self, product: PackedLinear, group: TensorParallelGroup) -> None:
+        super().__init__()
+        self.product = product
+        self.group = group
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.group.all_reduce(self.product(x))
 
 
 class VocabParallelEmbedding(nn.Module):
