@@ -12,6 +12,13 @@ from tandem.common.sampling_params import MAX_SPECULATIVE_TOKENS, SpecMethod
 from tandem.engine.attention.base import AttentionBackendKind, select_backend_kind
 from tandem.engine.attention.flash import FLASH_BLOCK_SIZE_MULTIPLE
 from tandem.engine.layers.linear import LinearBackend, select_linear_backend
+from tandem.engine.quantization.checkpoint import stored_quantization
+from tandem.engine.quantization.scheme import (
+    DEFAULT_GROUP_SIZE,
+    INT4_GROUP_SIZES,
+    QuantizationConfig,
+    QuantMethod,
+)
 
 DEFAULT_BLOCK_SIZE = 16
 DEFAULT_CPU_KV_CACHE_GB = 4.0
@@ -67,6 +74,14 @@ class EngineConfig:
     """Adapt k per request to its acceptance (down to 0 when drafts keep failing)."""
     speculative_by_default: bool = True
     """Requests speculate unless they opt out (``SamplingParams.speculative``)."""
+    quantization: str | None = None
+    """Weight-only quantization of the linear layers at load: ``int8`` (symmetric, per
+    output channel) or ``int4`` (asymmetric, per group of input channels); ``None``: as
+    the checkpoint is (a ``tandem quantize`` checkpoint loads quantized). CPU, float32."""
+    quantization_group_size: int = DEFAULT_GROUP_SIZE
+    """Input channels per int4 scale / zero point: 32, 64 or 128."""
+    quantize_lm_head: bool = False
+    """Quantize the output projection too (embeddings always stay float)."""
 
     def __post_init__(self) -> None:
         if self.dtype != "auto" and self.dtype not in _DTYPES:
@@ -115,10 +130,29 @@ class EngineConfig:
                 f"ngram_min_n/ngram_max_n need 1 <= min <= max, got {self.ngram_min_n}, "
                 f"{self.ngram_max_n}"
             )
+        self.quantization_config()  # raises on a bad method or group size
+        if self.quantize_lm_head and self.quantization is None:
+            raise ValueError("quantize_lm_head needs quantization (int8 or int4)")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(
                 f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}"
             )
+
+    def quantization_config(self) -> QuantizationConfig | None:
+        """The requested quantization, or ``None``; ``ValueError`` naming the field."""
+        if self.quantization is None:
+            return None
+        valid = [m.value for m in QuantMethod]
+        if self.quantization not in valid:
+            raise ValueError(f"quantization must be one of {valid}, got {self.quantization!r}")
+        if self.quantization_group_size not in INT4_GROUP_SIZES:
+            raise ValueError(
+                f"quantization_group_size must be one of {list(INT4_GROUP_SIZES)}, "
+                f"got {self.quantization_group_size}"
+            )
+        return QuantizationConfig(
+            QuantMethod(self.quantization), self.quantization_group_size, self.quantize_lm_head
+        )
 
 
 @dataclass(frozen=True)
@@ -132,13 +166,24 @@ class EngineRuntime:
     block_size: int
     max_model_len: int
     max_num_batched_tokens: int
+    quantization: QuantizationConfig | None = None
+    """Applied at load to a float checkpoint; ``None`` for float weights or a checkpoint
+    that is quantized already (it loads as written)."""
 
 
 def resolve_runtime(config: EngineConfig, model: ModelConfig) -> EngineRuntime:
     device = _device(config.device)
+    quantization, stored = _quantization(config)
     dtype = (
         _DTYPES.get(model.dtype, torch.float32) if config.dtype == "auto" else _DTYPES[config.dtype]
     )
+    if quantization is not None or stored is not None:
+        if config.dtype == "auto":
+            dtype = torch.float32  # the quantized kernels take float32 activations
+        if device.type != "cpu" or dtype != torch.float32:
+            raise ValueError(
+                f"quantization runs on the CPU in float32, not {device.type} {config.dtype}"
+            )
     requested = AttentionBackendKind(config.attention_backend) if config.attention_backend else None
     backend = select_backend_kind(requested, device, dtype)
     block_size = config.block_size or (
@@ -159,7 +204,27 @@ def resolve_runtime(config: EngineConfig, model: ModelConfig) -> EngineRuntime:
         budget = DEFAULT_CPU_STEP_TOKENS if device.type == "cpu" else DEFAULT_GPU_STEP_TOKENS
         if not config.enable_chunked_prefill:
             budget = max(budget, max_model_len)  # a whole prompt must fit one step
-    return EngineRuntime(device, dtype, backend, linear, block_size, max_model_len, budget)
+    return EngineRuntime(
+        device, dtype, backend, linear, block_size, max_model_len, budget, quantization
+    )
+
+
+def _quantization(
+    config: EngineConfig,
+) -> tuple[QuantizationConfig | None, QuantizationConfig | None]:
+    """(what to apply at load, what the checkpoint already has). Asking a quantized
+    checkpoint for a different quantization is refused: it cannot be undone at load."""
+    requested = config.quantization_config()
+    stored = stored_quantization(config.model)
+    if stored is None:
+        return requested, None
+    if requested is not None and requested != stored:
+        raise ValueError(
+            f"checkpoint {config.model} is quantized ({stored.method.value}"
+            f"{f', group {stored.group_size}' if stored.method is QuantMethod.INT4 else ''}"
+            f"); quantization={config.quantization!r} differs (leave it unset)"
+        )
+    return None, stored
 
 
 def _device(name: str) -> torch.device:

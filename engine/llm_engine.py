@@ -78,7 +78,16 @@ def build_runner(config: EngineConfig, rank: int, rendezvous: Rendezvous) -> Mod
     group = TensorParallelGroup.join(rendezvous, rank, rt.device)
     layout = kv_layout(mc, rt, group.size)
     return ModelRunner(
-        config.model, mc, layout, rt.backend, rt.linear_backend, rt.device, (), config.seed, group
+        config.model,
+        mc,
+        layout,
+        rt.backend,
+        rt.linear_backend,
+        rt.device,
+        (),
+        config.seed,
+        group,
+        rt.quantization,
     )
 
 
@@ -126,6 +135,7 @@ class LLMEngine:
             self.eos_token_ids,
             config.seed,
             group,
+            rt.quantization,
         )
         if self.ranks is not None:
             self._rank_watch = RankWatch(self.ranks, self._rank_lost)

@@ -22,6 +22,9 @@ from tandem.common.model_config import ModelConfig
 from tandem.engine.models import model_class
 from tandem.engine.parallel.group import TensorParallelGroup
 from tandem.engine.parallel.shard import shard_model
+from tandem.engine.quantization.checkpoint import load_quantized, stored_quantization
+from tandem.engine.quantization.linear import QuantizedLinear, quantize_model
+from tandem.engine.quantization.scheme import QuantizationConfig
 
 
 class CheckpointTensor:
@@ -60,19 +63,29 @@ def load_model(
     dtype: torch.dtype,
     device: torch.device,
     tp: TensorParallelGroup | None = None,
+    quantization: QuantizationConfig | None = None,
 ) -> nn.Module:
-    """``tp``: this rank's group when tensor-parallel; the model is then its slice."""
+    """``tp``: this rank's group when tensor-parallel; the model is then its slice.
+    ``quantization``: quantize the linear layers once loaded (``tandem.engine.quantization``);
+    a quantized checkpoint (``tandem quantize``) always loads quantized, as it was written."""
     cls = model_class(config)
+    stored = stored_quantization(model_dir)
     with torch.device("meta"):
         model = cls(config, dtype)
         if tp is not None and tp.size > 1:
             shard_model(model, config, tp)
+        if stored is not None:
+            quantize_model(model, stored, empty=True)
         model = model.to(dtype)
     model = model.to_empty(device=device)
-    if config.tie_word_embeddings:
+    if config.tie_word_embeddings and not isinstance(model.lm_head, QuantizedLinear):
         model.lm_head.weight = model.model.embed_tokens.weight
     with torch.no_grad():
-        filled = model.load_weights(iter_checkpoint_tensors(model_dir))
+        tensors = iter_checkpoint_tensors(model_dir)
+        if stored is not None:
+            filled = load_quantized(model, tensors)
+        else:
+            filled = model.load_weights(tensors)
     missing = sorted(set(dict(model.named_parameters())) - filled)
     if missing:
         shown = ", ".join(missing[:8]) + (
@@ -80,4 +93,7 @@ def load_model(
         )
         raise ValueError(f"checkpoint in {model_dir!s} is missing tensors: {shown}")
     model.model.rotary.materialize(device)
+    if quantization is not None and stored is None:
+        with torch.no_grad():
+            quantize_model(model, quantization)
     return model.eval().requires_grad_(False)

@@ -21,6 +21,7 @@ from tandem.engine.layers.linear import LinearBackend, pack_linear_layers
 from tandem.engine.loader import load_model
 from tandem.engine.parallel.group import TensorParallelGroup
 from tandem.engine.parallel.plan import ForwardPlan, PlanChannel, PlanKind
+from tandem.engine.quantization.scheme import QuantizationConfig
 from tandem.engine.sampler import RowGroup, Sampler, SamplingRow, TokenLogprobs
 from tandem.engine.scheduler import ScheduledChunk, SchedulerOutput
 from tandem.engine.stopping import banned_tokens
@@ -68,16 +69,21 @@ class ModelRunner:
         eos_token_ids: Collection[int],
         seed: int,
         tp: TensorParallelGroup | None = None,
+        quantization: QuantizationConfig | None = None,
     ) -> None:
         """``tp``: this rank's group when the model is split over ranks; ``layout``
         then describes this rank's heads. Rank 0 runs ``execute`` / ``last_logits`` and
-        sends each forward's plan to the other ranks, which run ``run_plan``."""
+        sends each forward's plan to the other ranks, which run ``run_plan``.
+        ``quantization``: quantize the linear layers at load (a quantized checkpoint
+        loads quantized regardless)."""
         self.device = device
         self.layout = layout
         self.eos_token_ids = eos_token_ids
         self.tp = tp if tp is not None and tp.size > 1 else None
         self._plans = PlanChannel(self.tp) if self.tp is not None else None
-        self.model = load_model(model_dir, model_config, layout.dtype, device, self.tp)
+        self.model = load_model(
+            model_dir, model_config, layout.dtype, device, self.tp, quantization
+        )
         if linear_backend is LinearBackend.ONEDNN:
             pack_linear_layers(self.model)
         self.kv_caches: list[torch.Tensor] = []

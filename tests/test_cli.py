@@ -15,6 +15,7 @@ from tandem.common.sampling_params import SpecMethod
 from tandem.engine.attention.base import AttentionBackendKind
 from tandem.engine.config import _DTYPES, EngineConfig
 from tandem.engine.layers.linear import LinearBackend
+from tandem.engine.quantization.scheme import INT4_GROUP_SIZES, QuantMethod
 
 SERVER = ["--model", "m", "--redis-url", "redis://x"]
 
@@ -44,6 +45,7 @@ def test_every_flag_of_every_command_has_help_text() -> None:
         "planner",
         "generate",
         "make-model",
+        "quantize",
         "certs",
     }
     for name, parser in commands.items():
@@ -57,6 +59,8 @@ def test_enumerations_match_the_engine() -> None:
     assert set(options.ATTENTION_BACKENDS) == {k.value for k in AttentionBackendKind}
     assert set(options.LINEAR_BACKENDS) == {k.value for k in LinearBackend}
     assert set(options.SPECULATIVE_METHODS) == {m.value for m in SpecMethod}
+    assert set(options.QUANTIZATIONS) == {m.value for m in QuantMethod}
+    assert set(options.QUANTIZATION_GROUP_SIZES) == set(INT4_GROUP_SIZES)
 
 
 def test_engine_flags_name_engine_fields_and_state_their_defaults() -> None:

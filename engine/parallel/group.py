@@ -114,6 +114,13 @@ class TensorParallelGroup:
         self._wait(self._model.allreduce(tensor), "all-reduce")
         return tensor
 
+    def all_reduce_max(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Element-wise maximum of ``tensor`` over the ranks, in place; returns it."""
+        options = dist.AllreduceOptions()
+        options.reduceOp = dist.ReduceOp.MAX
+        self._wait(self._model.allreduce([tensor], options), "all-reduce (max)")
+        return tensor
+
     def gather_last_dim(self, tensor: torch.Tensor) -> torch.Tensor | None:
         """Rank 0 gets the ranks' ``tensor`` concatenated along the last dim; the other
         ranks get ``None``. Every rank's ``tensor`` has the same shape."""

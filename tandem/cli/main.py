@@ -11,10 +11,20 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from tandem.cli import certs, generate, make_model, planner, router, scale, serve, worker
+from tandem.cli import (
+    certs,
+    generate,
+    make_model,
+    planner,
+    quantize,
+    router,
+    scale,
+    serve,
+    worker,
+)
 from tandem.cli.options import is_expected, plain
 
-_SUBCOMMANDS = (serve, scale, router, worker, planner, generate, make_model, certs)
+_SUBCOMMANDS = (serve, scale, router, worker, planner, generate, make_model, quantize, certs)
 EXIT_INTERRUPTED = 130
 """In the order ``tandem --help`` lists them."""
 

@@ -37,6 +37,8 @@ def is_expected(err: BaseException) -> bool:
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 ATTENTION_BACKENDS = ("cpu", "sdpa", "torch", "flash")
 LINEAR_BACKENDS = ("onednn", "torch")
+QUANTIZATIONS = ("int8", "int4")
+QUANTIZATION_GROUP_SIZES = (32, 64, 128)
 SPECULATIVE_METHODS = ("ngram", "draft")
 _DEVICE = re.compile(r"auto|cpu|cuda(:\d+)?")
 
@@ -126,6 +128,18 @@ def device(text: str) -> str:
     if not _DEVICE.fullmatch(text):
         raise argparse.ArgumentTypeError(f"expected auto, cpu, cuda or cuda:N, got {text!r}")
     return text
+
+
+def quantization_group_size(text: str) -> int:
+    """An int4 group size: one of ``QUANTIZATION_GROUP_SIZES``."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value not in QUANTIZATION_GROUP_SIZES:
+        sizes = ", ".join(str(v) for v in QUANTIZATION_GROUP_SIZES)
+        raise argparse.ArgumentTypeError(f"must be one of {sizes}, got {text!r}")
+    return value
 
 
 def positive_int(text: str) -> int:

@@ -20,6 +20,7 @@ from tandem.cli.options import (
     ATTENTION_BACKENDS,
     DTYPES,
     LINEAR_BACKENDS,
+    QUANTIZATIONS,
     SPECULATIVE_METHODS,
     add_command,
     add_internal_tls_options,
@@ -27,6 +28,7 @@ from tandem.cli.options import (
     device,
     internal_tls,
     positive_int,
+    quantization_group_size,
     require_redis,
     setup_logging,
 )
@@ -86,6 +88,18 @@ ENGINE_FLAGS: tuple[EngineFlag, ...] = (
         str,
         "matrix products: pre-packed oneDNN or plain torch (default: onednn where it works)",
         LINEAR_BACKENDS,
+    ),
+    EngineFlag(
+        "quantization",
+        str,
+        "weight-only quantization at load: int8 per output channel, int4 per group of "
+        "input channels (default: none, or what a `tandem quantize` checkpoint holds)",
+        QUANTIZATIONS,
+    ),
+    EngineFlag(
+        "quantization-group-size",
+        quantization_group_size,
+        "input channels per int4 scale and zero point: 32, 64 or 128 (default: 64)",
     ),
     EngineFlag(
         "num-threads",

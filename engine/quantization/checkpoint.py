@@ -1,0 +1,172 @@
+"""Quantized checkpoints: written by ``tandem quantize``, loaded without the original.
+
+Layout: a HuggingFace directory like its float source, where each quantized projection
+``P.weight`` (``*.self_attn.{q,k,v,o}_proj``, ``*.mlp.{gate,up,down}_proj``, and
+``lm_head`` when asked) is replaced by
+
+- ``P.qweight``: int8 ``[out, in]`` (int8), or uint8 ``[out, ceil(in/32)*16]`` holding
+  int4 values two to a byte (``scheme`` describes the packing);
+- ``P.scales``: float32 ``[out]`` (int8) or ``[out, ceil(in/group)]`` (int4);
+- ``P.zeros``: uint8 ``[out, ceil(in/group)]``, int4 only (integer zero points);
+
+and ``config.json`` gains ``"quantization_config": {"quant_method": "tandem", "method":
+"int8" | "int4", "group_size": 64 (int4 only), "lm_head": false}``. Everything else
+(embeddings, norms, biases) is copied as it was. The quantized values are those
+load-time quantization computes, so both give the same tokens.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+from torch import nn
+
+from tandem.engine.quantization.linear import AllReducedLinear, QuantizedLinear
+from tandem.engine.quantization.scheme import (
+    QuantizationConfig,
+    QuantMethod,
+    quantize_int4,
+    quantize_int8,
+)
+
+QUANTIZED_LEAVES = ("qweight", "scales", "zeros")
+PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def stored_quantization(model_dir: str | Path) -> QuantizationConfig | None:
+    """The ``quantization_config`` of a checkpoint, or ``None`` for a float one."""
+    entry = json.loads((Path(model_dir) / "config.json").read_text()).get("quantization_config")
+    return None if entry is None else QuantizationConfig.from_json(entry)
+
+
+def _quantized_name(name: str, config: QuantizationConfig) -> bool:
+    module, _, leaf = name.rpartition(".")
+    if leaf != "weight":
+        return False
+    return module.rpartition(".")[2] in PROJECTIONS or (config.lm_head and module == "lm_head")
+
+
+def quantize_checkpoint(source: str | Path, dest: str | Path, config: QuantizationConfig) -> int:
+    """Writes ``source`` quantized into ``dest`` (created; its safetensors files are
+    replaced); returns how many weights were quantized. ``source`` must be float."""
+    source, dest = Path(source), Path(dest)
+    if stored_quantization(source) is not None:
+        raise ValueError(f"{source} is already quantized")
+    files = sorted(source.glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"model directory {source} has no *.safetensors files")
+    dest.mkdir(parents=True, exist_ok=True)
+    for old in dest.glob("*.safetensors"):
+        old.unlink()
+    model_config = json.loads((source / "config.json").read_text())
+    count = 0
+    for path in files:
+        out: dict[str, torch.Tensor] = {}
+        with safe_open(str(path), framework="pt", device="cpu") as f:
+            for name in f.keys():  # noqa: SIM118 - safe_open is not a mapping
+                tensor = f.get_tensor(name)
+                if _quantized_name(name, config):
+                    out.update(_quantized_tensors(name.removesuffix(".weight"), tensor, config))
+                    count += 1
+                else:
+                    out[name] = tensor.contiguous()
+                tied = name == "model.embed_tokens.weight" and model_config.get(
+                    "tie_word_embeddings", False
+                )
+                if tied and config.lm_head:
+                    out.update(_quantized_tensors("lm_head", tensor, config))
+                    count += 1
+        save_file(out, str(dest / path.name), metadata={"format": "pt"})
+    for extra in source.iterdir():
+        skip = extra.suffix == ".safetensors" or extra.name.endswith(".safetensors.index.json")
+        if extra.is_file() and not skip and extra.name != "config.json":
+            shutil.copy2(extra, dest / extra.name)
+    model_config["quantization_config"] = config.to_json()
+    (dest / "config.json").write_text(json.dumps(model_config, indent=2) + "\n")
+    return count
+
+
+def _quantized_tensors(
+    prefix: str, weight: torch.Tensor, config: QuantizationConfig
+) -> dict[str, torch.Tensor]:
+    if config.method is QuantMethod.INT8:
+        q = quantize_int8(weight)
+        return {f"{prefix}.qweight": q.qweight, f"{prefix}.scales": q.scales}
+    q = quantize_int4(weight, config.group_size)
+    assert q.zeros is not None
+    return {
+        f"{prefix}.qweight": q.qweight,
+        f"{prefix}.scales": q.scales,
+        f"{prefix}.zeros": q.zeros,
+    }
+
+
+def load_quantized(model: nn.Module, tensors: Iterable[tuple[str, object]]) -> set[str]:
+    """Fills the quantized layers of ``model`` (made by ``quantize_model(empty=True)``)
+    from a quantized checkpoint and passes every other tensor to ``model.load_weights``;
+    returns the float parameters filled. ``ValueError`` when a quantized layer misses a
+    tensor."""
+    modules = dict(model.named_modules())
+    seen: dict[str, set[tuple[str, int]]] = {}
+
+    def float_tensors() -> Iterator[tuple[str, object]]:
+        for name, tensor in tensors:
+            target = _quantized_target(model, modules, name)
+            if target is None:
+                yield name, tensor
+                continue
+            path, layer, leaf, shard = target
+            layer.load_part(leaf, tensor, shard)  # type: ignore[arg-type]
+            seen.setdefault(path, set()).add((leaf, shard or 0))
+
+    filled = model.load_weights(float_tensors())
+    for path, module in modules.items():
+        if isinstance(module, QuantizedLinear):
+            _check_complete(path, module, seen.get(path, set()))
+    return filled
+
+
+def _quantized_target(
+    model: nn.Module, modules: dict[str, nn.Module], name: str
+) -> tuple[str, QuantizedLinear, str, int | None] | None:
+    """Where a checkpoint tensor goes if it belongs to a quantized layer, else ``None``."""
+    prefix, _, leaf = name.rpartition(".")
+    if leaf not in (*QUANTIZED_LEAVES, "bias"):
+        return None
+    if prefix == "lm_head":
+        target: tuple[str, int | None] | None = ("lm_head.weight", None)
+    else:
+        target = model.checkpoint_targets(f"{prefix}.weight")
+    if target is None:
+        return None
+    path = target[0].removesuffix(".weight")
+    layer = modules.get(path)
+    if isinstance(layer, AllReducedLinear):
+        path, layer = f"{path}.product", layer.product
+    if not isinstance(layer, QuantizedLinear):
+        if leaf == "bias":
+            return None
+        raise ValueError(f"checkpoint tensor {name!r} has no quantized layer to go to")
+    return path, layer, leaf, target[1]
+
+
+def _check_complete(path: str, layer: QuantizedLinear, seen: set[tuple[str, int]]) -> None:
+    leaves = ["qweight", "scales"]
+    if layer.zeros is not None:
+        leaves.append("zeros")
+    if layer.bias is not None:
+        leaves.append("bias")
+    missing = [
+        f"{leaf}[{shard}]"
+        for leaf in leaves
+        for shard in range(len(layer.row_spans))
+        if (leaf, shard) not in seen
+    ]
+    if missing:
+        raise ValueError(f"quantized checkpoint lacks {', '.join(missing)} of {path}")

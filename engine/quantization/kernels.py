@@ -1,0 +1,239 @@
+"""The native quantized matmuls (``csrc/quant_matmul.c``), one build per instruction set.
+
+The source is compiled with the system C compiler on first use into the user cache (next
+to the paged-attention kernel's build), once per instruction set: ``avx512``
+(``-mavx512f -mavx512bw ...``), ``avx2`` (``-mavx2 -mfma``) and ``portable`` (no ``-m``
+flag: GCC's generic vectors). ``select_isa`` picks the best one the CPU's flags allow,
+once at start-up; ``TANDEM_CPU_ISA=avx512|avx2|portable`` forces one (refused, by name,
+when the CPU lacks it). Like the attention kernel the library links OpenMP by soname, so
+it shares torch's thread pool; callers pass ``torch.get_num_threads()``, which the
+engine's ``num_threads`` sets.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import enum
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from functools import cache
+from pathlib import Path
+
+import torch
+
+from tandem.engine.attention.native import _cache_dir
+
+SOURCE = Path(__file__).with_name("csrc") / "quant_matmul.c"
+COMMON_FLAGS = ("-O3", "-fopenmp", "-shared", "-fPIC", "-std=gnu11")
+ISA_ENV = "TANDEM_CPU_ISA"
+
+
+class Isa(enum.Enum):
+    AVX512 = "avx512"
+    AVX2 = "avx2"
+    PORTABLE = "portable"
+
+
+_ISA_FLAGS: dict[Isa, tuple[str, ...]] = {
+    Isa.AVX512: ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx2", "-mfma"),
+    Isa.AVX2: ("-mavx2", "-mfma"),
+    Isa.PORTABLE: (),
+}
+_CPU_FLAGS_NEEDED: dict[Isa, frozenset[str]] = {
+    Isa.AVX512: frozenset({"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx2", "fma"}),
+    Isa.AVX2: frozenset({"avx2", "fma"}),
+    Isa.PORTABLE: frozenset(),
+}
+
+
+class KernelBuildError(RuntimeError):
+    """The C compiler is missing or rejected the source; carries the compiler's output."""
+
+
+def cpu_flags() -> frozenset[str]:
+    """The CPU's feature flags (``/proc/cpuinfo``); empty where that file is missing."""
+    cpuinfo = Path("/proc/cpuinfo")
+    if not cpuinfo.exists():
+        return frozenset()
+    for line in cpuinfo.read_text().splitlines():
+        if line.startswith("flags"):
+            return frozenset(line.partition(":")[2].split())
+    return frozenset()
+
+
+def supported_isas() -> list[Isa]:
+    """The instruction sets this machine runs, best first (``portable`` always)."""
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return [Isa.PORTABLE]
+    flags = cpu_flags()
+    return [isa for isa in Isa if _CPU_FLAGS_NEEDED[isa] <= flags]
+
+
+def select_isa() -> Isa:
+    """``TANDEM_CPU_ISA`` if set (``ValueError`` when unknown or unsupported here), else
+    the best this CPU supports."""
+    forced = os.environ.get(ISA_ENV)
+    supported = supported_isas()
+    if not forced:
+        return supported[0]
+    try:
+        isa = Isa(forced)
+    except ValueError:
+        valid = ", ".join(i.value for i in Isa)
+        raise ValueError(f"{ISA_ENV} must be one of {valid}, got {forced!r}") from None
+    if isa not in supported:
+        raise ValueError(
+            f"{ISA_ENV}={forced} but this CPU lacks it (supported: "
+            f"{', '.join(i.value for i in supported)})"
+        )
+    return isa
+
+
+def _ptr(tensor: torch.Tensor | None) -> int | None:
+    return None if tensor is None else tensor.data_ptr()
+
+
+class QuantKernels:
+    """One instruction set's build of the kernels. Arguments are CPU tensors, contiguous,
+    of the dtypes and shapes the layout in ``quantization.scheme`` describes; nothing is
+    checked here (``QuantizedLinear`` builds them), so a wrong shape is memory corruption."""
+
+    def __init__(self, library: ctypes.CDLL, isa: Isa) -> None:
+        self.isa = isa
+        self._int8 = library.tandem_int8_matmul
+        self._int8.restype = ctypes.c_int
+        self._int8.argtypes = (
+            [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64]
+            + [ctypes.c_void_p] * 4
+            + [ctypes.c_int64, ctypes.c_int]
+        )
+        self._int4 = library.tandem_int4_matmul
+        self._int4.restype = ctypes.c_int
+        self._int4.argtypes = (
+            [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64]
+            + [ctypes.c_void_p] * 3
+            + [ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int]
+        )
+        self._int8_dq = library.tandem_int8_dequantize
+        self._int8_dq.restype = None
+        self._int8_dq.argtypes = [
+            ctypes.c_void_p,
+            ctypes.c_void_p,
+            ctypes.c_int64,
+            ctypes.c_int64,
+            ctypes.c_void_p,
+            ctypes.c_int,
+        ]
+        self._int4_dq = library.tandem_int4_dequantize
+        self._int4_dq.restype = None
+        self._int4_dq.argtypes = (
+            [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 3 + [ctypes.c_void_p, ctypes.c_int]
+        )
+        name = library.tandem_quant_isa
+        name.restype = ctypes.c_char_p
+        built = name().decode()
+        if built != isa.value:
+            raise KernelBuildError(f"the {isa.value} build reports {built!r}")
+
+    def int8_matmul(
+        self, x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None
+    ) -> torch.Tensor:
+        """``x [m, k] @ (scales[:, None] * q).T + bias``; ``q`` int8 ``[n, k]``."""
+        m, k = x.shape
+        n = q.shape[0]
+        y = torch.empty(m, n, dtype=torch.float32)
+        self._int8(
+            x.data_ptr(),
+            m,
+            k,
+            q.data_ptr(),
+            scales.data_ptr(),
+            _ptr(bias),
+            y.data_ptr(),
+            n,
+            torch.get_num_threads(),
+        )
+        return y
+
+    def int4_matmul(
+        self,
+        x: torch.Tensor,
+        q: torch.Tensor,
+        scales: torch.Tensor,
+        zeros: torch.Tensor,
+        group: int,
+        bias: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """``x [m, k]`` times the int4 weight (``q`` packed ``[n, ceil(k/32)*16]`` uint8,
+        ``scales`` float32 and ``zeros`` uint8 ``[n, ceil(k/group)]``)."""
+        m, k = x.shape
+        n = q.shape[0]
+        y = torch.empty(m, n, dtype=torch.float32)
+        status = self._int4(
+            x.data_ptr(),
+            m,
+            k,
+            q.data_ptr(),
+            scales.data_ptr(),
+            zeros.data_ptr(),
+            group,
+            _ptr(bias),
+            y.data_ptr(),
+            n,
+            torch.get_num_threads(),
+        )
+        if status != 0:
+            raise MemoryError("int4 matmul: could not allocate its group sums")
+        return y
+
+    def int8_dequantize(self, q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+        n, k = q.shape
+        out = torch.empty(n, k, dtype=torch.float32)
+        self._int8_dq(
+            q.data_ptr(), scales.data_ptr(), n, k, out.data_ptr(), torch.get_num_threads()
+        )
+        return out
+
+    def int4_dequantize(
+        self, q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group: int, k: int
+    ) -> torch.Tensor:
+        n = q.shape[0]
+        out = torch.empty(n, k, dtype=torch.float32)
+        self._int4_dq(
+            q.data_ptr(),
+            scales.data_ptr(),
+            zeros.data_ptr(),
+            group,
+            n,
+            k,
+            out.data_ptr(),
+            torch.get_num_threads(),
+        )
+        return out
+
+
+@cache
+def quant_kernels(isa: Isa) -> QuantKernels:
+    """The kernels built for ``isa`` (compiled on first use, then cached on disk and here);
+    ``KernelBuildError`` when no C compiler is found or it fails."""
+    compiler = shutil.which(os.environ.get("CC", "cc"))
+    if compiler is None:
+        raise KernelBuildError("quantized linear layers need a C compiler (cc / $CC)")
+    flags = (*COMMON_FLAGS, *_ISA_FLAGS[isa])
+    key = hashlib.sha256(SOURCE.read_bytes() + " ".join(flags).encode() + compiler.encode())
+    target = _cache_dir() / f"quant_matmul-{isa.value}-{key.hexdigest()[:16]}.so"
+    if not target.exists():
+        target.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+            built = Path(tmp) / target.name
+            result = subprocess.run(
+                [compiler, *flags, str(SOURCE), "-o", str(built)], capture_output=True, text=True
+            )
+            if result.returncode != 0:
+                raise KernelBuildError(f"building the {isa.value} kernels failed:\n{result.stderr}")
+            built.replace(target)  # atomic: concurrent builders never see half a file
+    return QuantKernels(ctypes.CDLL(str(target)), isa)

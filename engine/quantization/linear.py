@@ -1,0 +1,224 @@
+"""Quantized linear layers and ``quantize_model``, the one step that swaps them in.
+
+A ``QuantizedLinear`` holds a ``QuantizedWeight`` (``scheme``) and multiplies with the
+native kernels: up to ``MAX_KERNEL_ROWS`` rows (decodes, small batches, speculative
+verifications) in the fused dequantize-and-multiply kernel, which reads the weight once
+at 1 or 0.5 bytes per value; more rows (prefill) by dequantizing the weight to float32 in
+C and running a float GEMM, where compute, not weight traffic, is the cost.
+
+Tensor parallelism: each rank quantizes its own slice. A column-parallel slice is whole
+rows, so it quantizes as the full weight would. A row-parallel slice is a range of input
+columns: int8 takes each row's scale from the maximum over all ranks (one all-reduce at
+load), int4 needs the slice to be whole groups (refused otherwise). A model quantized at
+tensor_parallel_size N therefore holds exactly the slices of the model quantized at 1.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tandem.engine.layers.attention import SelfAttention
+from tandem.engine.layers.mlp import GatedMLP
+from tandem.engine.parallel.group import TensorParallelGroup
+from tandem.engine.parallel.layers import CheckpointSlice, RowParallelLinear, Span
+from tandem.engine.quantization.kernels import QuantKernels, quant_kernels, select_isa
+from tandem.engine.quantization.scheme import (
+    QuantizationConfig,
+    QuantizedWeight,
+    QuantMethod,
+    empty_quantized,
+    quantize_int4,
+    quantize_int8,
+    scales_from_absmax,
+)
+
+MAX_KERNEL_ROWS = 16
+"""Rows up to which the fused kernel beats dequantize + float GEMM (the issue's M <= 16;
+measured on the development machine in docs/quantization.md)."""
+
+
+class QuantizedLinear(nn.Module):
+    """``y = x @ W.T + bias`` with ``W`` quantized; inference only, CPU, float32."""
+
+    def __init__(
+        self,
+        weight: QuantizedWeight,
+        bias: torch.Tensor | None,
+        config: QuantizationConfig,
+        kernels: QuantKernels,
+        row_spans: tuple[Span, ...],
+        col_span: Span | None = None,
+    ) -> None:
+        """``row_spans[i]``: the rows this layer holds of stacked checkpoint tensor ``i``
+        (q/k/v, gate/up); ``col_span``: the input columns it holds (a row-parallel
+        slice), ``None`` for all. Both say where a quantized checkpoint's tensors go."""
+        super().__init__()
+        self.row_spans, self.col_span = row_spans, col_span
+        self.in_features = weight.in_features
+        self.out_features = weight.qweight.shape[0]
+        self.method, self.group_size = config.method, config.group_size
+        self.kernels = kernels
+        self.register_buffer("qweight", weight.qweight)
+        self.register_buffer("scales", weight.scales)
+        self.register_buffer("zeros", weight.zeros)
+        self.register_buffer("bias", None if bias is None else bias.detach().float().contiguous())
+
+    @property
+    def weight_bytes(self) -> int:
+        return sum(
+            t.numel() * t.element_size()
+            for t in (self.qweight, self.scales, self.zeros)
+            if t is not None
+        )
+
+    def dequantized(self) -> torch.Tensor:
+        """The float32 ``[out, in]`` weight this layer stands for."""
+        if self.method is QuantMethod.INT8:
+            return self.kernels.int8_dequantize(self.qweight, self.scales)
+        return self.kernels.int4_dequantize(
+            self.qweight, self.scales, self.zeros, self.group_size, self.in_features
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, self.in_features)
+        if rows.shape[0] > MAX_KERNEL_ROWS:
+            return F.linear(x, self.dequantized(), self.bias)
+        rows = rows.contiguous()
+        if self.method is QuantMethod.INT8:
+            y = self.kernels.int8_matmul(rows, self.qweight, self.scales, self.bias)
+        else:
+            y = self.kernels.int4_matmul(
+                rows, self.qweight, self.scales, self.zeros, self.group_size, self.bias
+            )
+        return y.view(*x.shape[:-1], self.out_features)
+
+    def load_part(self, leaf: str, tensor: CheckpointSlice, shard: int | None) -> None:
+        """Fill buffer ``leaf`` (qweight, scales, zeros, bias) from stacked checkpoint
+        tensor ``shard`` of a quantized checkpoint, reading only this layer's slice."""
+        index = shard or 0
+        span = self.row_spans[index]
+        dest = getattr(self, leaf)
+        if dest is None:
+            raise ValueError(f"checkpoint has {leaf} for a layer without one")
+        dest = dest.narrow(0, sum(s.size for s in self.row_spans[:index]), span.size)
+        if self.col_span is None:
+            source = tensor.rows(span.start, span.size)
+        elif leaf == "scales" and self.method is QuantMethod.INT8:
+            source = tensor.full()  # one scale per row, over all ranks' columns
+        else:
+            per = {"qweight": 1 if self.method is QuantMethod.INT8 else 2}.get(
+                leaf, self.group_size
+            )
+            source = tensor.cols(self.col_span.start // per, self.col_span.size // per)
+        if tuple(source.shape) != tuple(dest.shape):
+            raise ValueError(
+                f"checkpoint {leaf} has shape {tuple(source.shape)}, expected {tuple(dest.shape)}"
+            )
+        dest.copy_(source)
+
+    def extra_repr(self) -> str:
+        group = f", group_size={self.group_size}" if self.method is QuantMethod.INT4 else ""
+        return (
+            f"in={self.in_features}, out={self.out_features}, {self.method.value}{group}, "
+            f"isa={self.kernels.isa.value}"
+        )
+
+
+class AllReducedLinear(nn.Module):
+    """A row-parallel product followed by the sum over the ranks."""
+
+    def __init__(self, product: nn.Module, group: TensorParallelGroup) -> None:
+        super().__init__()
+        self.product = product
+        self.group = group
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.group.all_reduce(self.product(x))
+
+
+class QuantizedGatedMLP(nn.Module):
+    """``down(silu(gate(x)) * up(x))`` over quantized projections. Not a ``GatedMLP``, so
+    oneDNN packing (``layers.linear.pack_linear_layers``) leaves it alone."""
+
+    def __init__(self, mlp: GatedMLP, quantize: _Quantizer) -> None:
+        super().__init__()
+        self.intermediate_size = size = mlp.intermediate_size
+        self.gate_up_proj = quantize(mlp.gate_up_proj, (size, size))
+        self.down_proj = quantize(mlp.down_proj, (mlp.down_proj.out_features,))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class _Quantizer:
+    """Turns one loaded float linear layer into its quantized form (module docstring).
+    ``empty``: shapes only, values left for a quantized checkpoint to fill."""
+
+    def __init__(self, config: QuantizationConfig, kernels: QuantKernels, empty: bool) -> None:
+        self.config = config
+        self.kernels = kernels
+        self.empty = empty
+
+    def __call__(self, linear: nn.Linear, parts: tuple[int, ...]) -> nn.Module:
+        """``parts``: the row counts of the checkpoint tensors stacked in ``linear``
+        (used unless a column-parallel layer names its own spans)."""
+        weight = linear.weight.detach()
+        bias = None if linear.bias is None else linear.bias.detach()
+        spans = getattr(linear, "spans", None) or tuple(Span(0, size) for size in parts)
+        if isinstance(linear, RowParallelLinear):
+            quantized = self._row_slice(weight, linear.group)
+            product = QuantizedLinear(
+                quantized, bias, self.config, self.kernels, spans, linear.span
+            )
+            return AllReducedLinear(product, linear.group)
+        return QuantizedLinear(self._whole(weight), bias, self.config, self.kernels, spans)
+
+    def _whole(self, weight: torch.Tensor) -> QuantizedWeight:
+        if self.empty:
+            return empty_quantized(weight.shape[0], weight.shape[1], self.config)
+        if self.config.method is QuantMethod.INT8:
+            return quantize_int8(weight)
+        return quantize_int4(weight, self.config.group_size)
+
+    def _row_slice(self, weight: torch.Tensor, group: TensorParallelGroup) -> QuantizedWeight:
+        if self.config.method is QuantMethod.INT4 and weight.shape[1] % self.config.group_size:
+            raise ValueError(
+                f"a tensor-parallel rank holds {weight.shape[1]} input columns of a "
+                f"row-parallel layer, not a multiple of quantization_group_size "
+                f"{self.config.group_size}; use a smaller group or tensor_parallel_size"
+            )
+        if self.empty or self.config.method is QuantMethod.INT4:
+            return self._whole(weight)
+        absmax = weight.abs().amax(dim=1).float()
+        group.all_reduce_max(absmax)
+        return quantize_int8(weight, scales_from_absmax(absmax))
+
+
+def quantize_model(model: nn.Module, config: QuantizationConfig, empty: bool = False) -> int:
+    """Replaces, in place, the attention and MLP projections of a loaded float32 CPU
+    model (and its ``lm_head`` when ``config.lm_head``) by quantized layers; returns how
+    many modules changed. Every rank of a tensor-parallel replica calls it at the same
+    point (row-parallel int8 layers all-reduce their row maxima). ``empty``: the layers
+    get uninitialised buffers of the right shapes (for ``checkpoint.load_quantized``)."""
+    quantize = _Quantizer(config, quant_kernels(select_isa()), empty)
+    count = 0
+    for module in model.modules():
+        if isinstance(module, SelfAttention):
+            parts = (module.q_size, module.kv_size, module.kv_size)
+            module.qkv_proj = quantize(module.qkv_proj, parts)
+            module.o_proj = quantize(module.o_proj, (module.o_proj.out_features,))
+            count += 2
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if isinstance(child, GatedMLP):
+                setattr(parent, name, QuantizedGatedMLP(child, quantize))
+                count += 1
+    if config.lm_head:
+        if not isinstance(model.lm_head, nn.Linear):
+            raise ValueError("quantize_lm_head is not supported with tensor_parallel_size > 1")
+        model.lm_head = quantize(model.lm_head, (model.lm_head.out_features,))
+        count += 1
+    return count

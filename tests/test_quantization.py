@@ -1,0 +1,277 @@
+"""Weight-only quantization: the maths, the native kernels on every instruction set this
+CPU runs, and the engine end to end (offline, the disaggregated worker path, quantized
+checkpoints, tensor parallelism, refused settings)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+
+from tandem.cli.main import main as tandem_main
+from tandem.engine import LLM, SamplingParams
+from tandem.engine.config import EngineConfig
+from tandem.engine.llm_engine import LLMEngine
+from tandem.engine.quantization.kernels import ISA_ENV, quant_kernels, select_isa, supported_isas
+from tandem.engine.quantization.linear import MAX_KERNEL_ROWS, QuantizedLinear
+from tandem.engine.quantization.scheme import (
+    QuantizationConfig,
+    QuantMethod,
+    dequantize,
+    pack_int4,
+    quantize_int4,
+    quantize_int8,
+    unpack_int4,
+)
+from tandem.engine.request import PrefillMode
+from tests.hf_reference import random_prompts
+
+TRAINED = Path(__file__).resolve().parent.parent / "engine" / "assets" / "trained" / "target"
+GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+SHAPES = [(37, 100), (64, 77), (33, 130), (20, 64), (8, 31), (48, 200)]
+
+
+def _weight(n: int, k: int, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(n, k, generator=g)
+    w[0] = 0.0  # an all-zero row (scale 1, exact)
+    w[1, : k // 2] = w[1, : k // 2].abs() + 0.5  # a group with no negative value
+    return w
+
+
+# --- the maths -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("n", "k"), SHAPES)
+def test_int8_error_is_at_most_half_a_step_per_channel(n: int, k: int) -> None:
+    w = _weight(n, k, seed=n * k)
+    q = quantize_int8(w)
+    error = (dequantize(q, QuantMethod.INT8, 0) - w).abs()
+    assert q.qweight.dtype == torch.int8 and q.qweight.abs().max() <= 127
+    assert (error <= q.scales[:, None] / 2 * (1 + 1e-5)).all()
+    assert (dequantize(q, QuantMethod.INT8, 0)[0] == 0).all()
+
+
+@pytest.mark.parametrize("group", [32, 64, 128])
+@pytest.mark.parametrize(("n", "k"), SHAPES)
+def test_int4_error_is_at_most_half_a_step_per_group(n: int, k: int, group: int) -> None:
+    w = _weight(n, k, seed=n + k)
+    q = quantize_int4(w, group)
+    assert q.zeros is not None and int(q.zeros.max()) <= 15
+    error = (dequantize(q, QuantMethod.INT4, group) - w).abs()
+    step = q.scales[:, torch.arange(k) // group]
+    assert (error <= step / 2 * (1 + 1e-5) + 1e-7).all()
+
+
+def test_int4_packing_round_trips_and_pads_the_last_block() -> None:
+    values = torch.randint(0, 16, (5, 45), dtype=torch.uint8)
+    packed = pack_int4(values)
+    assert packed.shape == (5, 32)  # two blocks of 16 bytes
+    assert torch.equal(unpack_int4(packed, 45), values)
+    assert packed[0, 0] == values[0, 0] | (values[0, 16] << 4)
+
+
+# --- the kernels -----------------------------------------------------------------------
+
+
+@pytest.fixture(params=[isa.value for isa in supported_isas()])
+def kernels(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch):
+    monkeypatch.setenv(ISA_ENV, request.param)
+    return quant_kernels(select_isa())
+
+
+@pytest.mark.parametrize("m", [1, 3, 16, 17])
+@pytest.mark.parametrize(("n", "k"), SHAPES)
+def test_kernels_equal_dequantize_then_matmul(kernels, m: int, n: int, k: int) -> None:
+    w, x, bias = _weight(n, k, seed=m), torch.randn(m, k), torch.randn(n)
+    q8 = quantize_int8(w)
+    expected = x @ dequantize(q8, QuantMethod.INT8, 0).T + bias
+    got = kernels.int8_matmul(x, q8.qweight, q8.scales, bias)
+    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
+    for group in (32, 64):
+        q4 = quantize_int4(w, group)
+        reference = dequantize(q4, QuantMethod.INT4, group)
+        got = kernels.int4_matmul(x, q4.qweight, q4.scales, q4.zeros, group, None)
+        torch.testing.assert_close(got, x @ reference.T, rtol=1e-4, atol=1e-4)
+        assert torch.equal(
+            kernels.int4_dequantize(q4.qweight, q4.scales, q4.zeros, group, k), reference
+        )
+
+
+def test_a_rows_result_depends_on_neither_its_batch_nor_the_threads(kernels) -> None:
+    w, x = _weight(96, 200, seed=1), torch.randn(9, 200)
+    q = quantize_int4(w, 64)
+    batch = kernels.int4_matmul(x, q.qweight, q.scales, q.zeros, 64, None)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        for row in range(9):
+            alone = kernels.int4_matmul(x[row : row + 1], q.qweight, q.scales, q.zeros, 64, None)
+            assert torch.equal(alone[0], batch[row])
+    finally:
+        torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("method", list(QuantMethod))
+def test_quantized_linear_takes_the_gemm_path_beyond_the_kernel_rows(kernels, method) -> None:
+    linear = torch.nn.Linear(70, 40)
+    config = QuantizationConfig(method, 32)
+    weight = (
+        quantize_int8(linear.weight)
+        if method is QuantMethod.INT8
+        else quantize_int4(linear.weight, 32)
+    )
+    from tandem.engine.parallel.layers import Span
+
+    layer = QuantizedLinear(weight, linear.bias, config, kernels, (Span(0, 40),))
+    reference = dequantize(weight, method, 32)
+    for rows in (1, MAX_KERNEL_ROWS, MAX_KERNEL_ROWS + 1, 40):
+        x = torch.randn(rows, 70)
+        expected = torch.nn.functional.linear(x, reference, linear.bias.detach())
+        torch.testing.assert_close(layer(x), expected, rtol=1e-4, atol=1e-4)
+
+
+def test_an_unknown_or_missing_isa_is_refused_by_name(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(ISA_ENV, "sse9")
+    with pytest.raises(ValueError, match="TANDEM_CPU_ISA must be one of avx512, avx2, portable"):
+        select_isa()
+
+
+# --- the engine ------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tiny(make_checkpoint: Callable[..., Path]) -> Path:
+    return make_checkpoint("llama")
+
+
+def _greedy(model: Path | str, prompts: list[list[int]], **config: object) -> list[list[int]]:
+    with LLM(str(model), num_kv_blocks=128, num_threads=1, **config) as llm:
+        return [o.token_ids for o in llm.generate(prompts, GREEDY)]
+
+
+def test_int8_stays_close_to_float32_on_the_trained_model() -> None:
+    """Measured on the shipped 3.1M model: int8 gives float32's first greedy token on 8
+    of 8 prompts and all 16 tokens on 6 of 8 (int4, group 64: 7 and 2). Asserted with a
+    margin of one prompt, since the figures are a measurement, not a contract."""
+    prompts = [list(range(20 + 7 * i, 40 + 7 * i)) for i in range(8)]
+    float32 = _greedy(TRAINED, prompts)
+    int8 = _greedy(TRAINED, prompts, quantization="int8")
+    assert sum(a[0] == b[0] for a, b in zip(float32, int8, strict=True)) >= 7
+    assert sum(a == b for a, b in zip(float32, int8, strict=True)) >= 5
+
+
+def _run(engine: LLMEngine, rid: str) -> list[int]:
+    tokens: list[int] = []
+    while engine.has_unfinished_requests():
+        for delta in engine.step():
+            if delta.request_id == rid:
+                tokens += delta.new_token_ids
+    return tokens
+
+
+def _disaggregated(model: Path, prompt: list[int], prefill_q: str | None, decode_q: str | None):
+    """A prefill engine hands the prompt's KV to a decode engine (the workers' path,
+    without the transport); returns the decode side's tokens."""
+    make = lambda q: LLMEngine(  # noqa: E731
+        EngineConfig(str(model), num_kv_blocks=128, num_threads=1, quantization=q),
+        detokenize=False,
+    )
+    p, d = make(prefill_q), make(decode_q)
+    p.add_request(prompt, GREEDY, request_id="x", prefill_mode=PrefillMode.HAND_OFF)
+    first = next(t for _ in range(20) for delta in p.step() for t in delta.new_token_ids)
+    d.add_request(
+        prompt, GREEDY, request_id="x", output_token_ids=[first], prefill_mode=PrefillMode.REMOTE
+    )
+    d.step()
+    assert len(d.take_kv_pulls()) == 1
+    source = p.prefilled_block_ids("x")
+
+    def fill(blocks: list[int]) -> None:
+        for s, t in zip(p.runner.kv_caches, d.runner.kv_caches, strict=True):
+            t[:, blocks] = s[:, source[len(source) - len(blocks) :]]
+
+    d.finish_kv_pull("x", fill)
+    return [first, *_run(d, "x")]
+
+
+def test_int8_worker_path_equals_offline_and_mixing_with_float_still_decodes(tiny: Path) -> None:
+    prompt = random_prompts(1, 4096, (40, 40), seed=5)[0]
+    (offline,) = _greedy(tiny, [prompt], quantization="int8")
+    assert _disaggregated(tiny, prompt, "int8", "int8") == offline
+    mixed = _disaggregated(tiny, prompt, None, "int8")  # KV layout is the same: accepted
+    assert len(mixed) == GREEDY.max_tokens
+
+
+@pytest.mark.parametrize(
+    ("method", "args"), [("int8", []), ("int4", ["--group-size", "32", "--quantize-lm-head"])]
+)
+def test_tandem_quantize_checkpoint_gives_the_load_time_tokens(
+    tiny: Path, tmp_path: Path, method: str, args: list[str]
+) -> None:
+    out = tmp_path / method
+    assert tandem_main(["quantize", str(tiny), str(out), "--quantization", method, *args]) == 0
+    assert not any("q_proj.weight" in name for name in _tensor_names(out))
+    prompts = random_prompts(3, 4096, (5, 30), seed=2)
+    lm_head = "--quantize-lm-head" in args
+    group = 32 if method == "int4" else 64
+    at_load = _greedy(
+        tiny, prompts, quantization=method, quantization_group_size=group, quantize_lm_head=lm_head
+    )
+    assert _greedy(out, prompts) == at_load
+
+
+def _tensor_names(model_dir: Path) -> list[str]:
+    from safetensors import safe_open
+
+    with safe_open(str(model_dir / "model.safetensors"), framework="pt") as f:
+        return list(f.keys())
+
+
+def test_tensor_parallel_int8_equals_one_rank(tiny: Path, tmp_path: Path) -> None:
+    """Each rank quantizes its own slice; row-parallel int8 scales come from the whole
+    row's maximum, so two ranks hold exactly the one-rank model's slices. The int4
+    checkpoint checks slicing packed weights, scales and zero points on load."""
+    prompts = random_prompts(2, 4096, (5, 30), seed=9)
+    assert _greedy(tiny, prompts, quantization="int8", tensor_parallel_size=2) == _greedy(
+        tiny, prompts, quantization="int8"
+    )
+    out = tmp_path / "int4"
+    tandem_main(["quantize", str(tiny), str(out), "--quantization", "int4", "--group-size", "32"])
+    assert _greedy(out, prompts, tensor_parallel_size=2) == _greedy(out, prompts)
+
+
+@pytest.mark.parametrize(
+    ("settings", "message"),
+    [
+        ({"quantization": "int3"}, r"quantization must be one of \['int8', 'int4'\]"),
+        ({"quantization": "int4", "quantization_group_size": 48}, "quantization_group_size"),
+        ({"quantize_lm_head": True}, "quantize_lm_head needs quantization"),
+    ],
+)
+def test_bad_settings_are_refused_by_name(settings: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        EngineConfig(model="m", **settings)
+
+
+def test_quantization_needs_float32_and_a_matching_checkpoint(tiny: Path, tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="quantization runs on the CPU in float32"):
+        LLM(str(tiny), quantization="int8", dtype="bfloat16")
+    tandem_main(["quantize", str(tiny), str(tmp_path / "q")])
+    with pytest.raises(ValueError, match=r"is quantized \(int8\); quantization='int4' differs"):
+        LLM(str(tmp_path / "q"), quantization="int4")
+
+
+@pytest.mark.parametrize("role", ["prefill-worker", "decode-worker"])
+def test_worker_flags_reach_the_engine(role: str) -> None:
+    from tandem.cli import worker
+    from tandem.cli.main import build_parser
+
+    flags = ["--quantization", "int4", "--quantization-group-size", "32"]
+    args = build_parser().parse_args([role, "--model", "m", "--redis-url", "redis://x", *flags])
+    settings = worker.engine_settings(args)
+    assert settings == {"quantization": "int4", "quantization_group_size": 32}
+    config = EngineConfig(model="m", **settings)
+    assert config.quantization_config() == QuantizationConfig(QuantMethod.INT4, 32)
