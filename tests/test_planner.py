@@ -114,6 +114,31 @@ def test_a_broken_slo_adds_a_replica_before_anything_is_calibrated() -> None:
     assert decode.slo_broken and decode.wanted == 2
 
 
+def test_an_idle_pool_shrinks_even_before_anything_is_calibrated() -> None:
+    """A decode pool grown on a broken SLO alone (no capacity measured) must come back to
+    its minimum once the load is gone, and keeps its size while there is load."""
+    config = PlannerConfig(decode=PoolBounds(1, 4), prefill=PoolBounds(1, 4))
+    model = CapacityModel(config)
+    busy = interval(decode_running=0.5, tpot=0.2, replicas=(2, 2))
+    model.observe(busy)
+    assert model.estimate(busy)[1].wanted == 3  # broken SLO, nothing calibrated
+    loaded = interval(prompt_rate=50.0, decode_running=0.8, replicas=(2, 2))
+    model.observe(loaded)
+    assert [e.wanted for e in model.estimate(loaded)] == [2, 2]
+    idle = interval(replicas=(2, 2))
+    for _ in range(20):
+        model.observe(idle)
+    assert model.decode_load.level >= 0 and model.prefill_load.level >= 0
+    assert [e.wanted for e in model.estimate(idle)] == [1, 1]
+
+
+def test_a_falling_load_never_forecasts_below_zero() -> None:
+    forecast = Forecast(0.3)
+    for value in (30.0, 20.0, 5.0, 0.0, 0.0, 0.0):
+        forecast.observe(value, 1.0)
+        assert forecast.level >= 0.0
+
+
 class Clock:
     def __init__(self) -> None:
         self.now = 1000.0

@@ -251,6 +251,7 @@ class SimDecodeWorker(_Worker):
         self.kv_tokens = 0
         self.held_blocks = 0
         self.blocks_pulled = 0
+        self.finished_run_tokens = 0  # output tokens of the runs that ended
         self._run_start = 0.0
         self._run_steps = 0  # 0: idle
         self._run_token = 0  # outdates scheduled events of a cut run
@@ -309,19 +310,31 @@ class SimDecodeWorker(_Worker):
         self._run_steps = self.active[0][0] - self.step_no
         self.host.after(self._run_time(self._run_steps), self._end_run, self._run_token)
 
-    def _cut_run(self) -> None:
-        """End the run at the end of the step in progress (once per run)."""
-        if self._cut:
-            return
+    def _steps_done(self) -> int:
+        """Steps of the current run finished by now: the largest k with run_time(k) <=
+        the time since it started."""
         elapsed = self.host.now - self._run_start
-        lo, hi = 0, self._run_steps  # steps done: the largest k with run_time(k) <= elapsed
+        lo, hi = 0, self._run_steps
         while lo < hi:
             mid = (lo + hi + 1) // 2
             if self._run_time(mid) <= elapsed:
                 lo = mid
             else:
                 hi = mid - 1
-        steps = min(lo + 1, self._run_steps)
+        return lo
+
+    def tokens_generated(self) -> int:
+        """Output tokens generated so far (a token counts once its step has ended), as the
+        worker's generation counter would read now."""
+        if not self._run_steps:
+            return self.finished_run_tokens
+        return self.finished_run_tokens + len(self.active) * self._steps_done()
+
+    def _cut_run(self) -> None:
+        """End the run at the end of the step in progress (once per run)."""
+        if self._cut:
+            return
+        steps = min(self._steps_done() + 1, self._run_steps)
         self._run_steps = steps
         self._run_token += 1
         self._cut = True
@@ -331,6 +344,7 @@ class SimDecodeWorker(_Worker):
     def _end_run(self, token: int) -> None:
         if token != self._run_token:
             return
+        self.finished_run_tokens += len(self.active) * self._run_steps
         self.step_no += self._run_steps
         self.kv_tokens += len(self.active) * self._run_steps
         while self.active and self.active[0][0] <= self.step_no:

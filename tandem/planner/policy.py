@@ -6,12 +6,14 @@ decider with hysteresis, cooldowns and bounds.
 computed (arrivals less prefix-cache hits); capacity = one replica's computed tokens per
 second of engine busy time (measured), planned at ``target_busy`` so queues stay short
 under the TTFT target. **Decode pool** (time per output token): load = sequences running
-or waiting; capacity = sequences one replica holds at the TPOT target, estimated from the
-sequences it runs now and the TPOT it gives them (``running x target / observed``: under
-the target this errs low, i.e. towards more replicas). Both forecasts add the load's
-rising trend over ``lead_s`` (Holt's linear smoothing), because a replica takes minutes to
-start; a falling trend is ignored, so the pools shrink on what is, not on what may be. An
-SLO already broken adds a replica whatever the model says.
+or waiting, or, if more, the sequences the arrivals need at the TPOT target (request rate
+x mean output tokens x target); capacity = sequences one replica holds at the TPOT target:
+within the target, the output tokens per second a loaded replica makes times the target;
+over it, the sequences it runs now scaled by ``target / observed`` (this errs low, i.e.
+towards more replicas). Both forecasts add the load's rising trend over ``lead_s``
+(Holt's linear smoothing), because a replica takes minutes to start; a falling trend is
+ignored, so the pools shrink on what is, not on what may be. An SLO already broken adds a
+replica whatever the model says.
 
 The decider moves at most ``max_step_up`` up at once, one down at a time, only after the
 lower count was wanted for ``down_stable_s``, and never within the cooldowns. Scaling
@@ -93,7 +95,9 @@ class Forecast:
             self.level = value
             return
         previous = self.level
-        self.level = self.alpha * value + (1 - self.alpha) * (previous + self.trend * dt)
+        # A load is never negative: a falling trend must not carry the level below zero
+        # (it would then climb back through zero long after the load is gone).
+        self.level = max(0.0, self.alpha * value + (1 - self.alpha) * (previous + self.trend * dt))
         slope = (self.level - previous) / dt if dt > 0 else 0.0
         self.trend = self.alpha * slope + (1 - self.alpha) * self.trend
 
@@ -155,17 +159,35 @@ class CapacityModel:
     def observe(self, s: Signals) -> None:
         c = self.config
         self.prefill_tps.observe(s.prefill.tokens_per_busy_second)
-        per_replica = s.decode.running / max(1, s.decode.replicas)
-        if s.tpot_p50 and per_replica >= 1:
-            self.decode_seqs.observe(
-                per_replica * c.tpot_p99_s / s.tpot_p99 if s.tpot_p99 else None
-            )
-        computed_share = 1.0
-        if s.prefill.tokens_per_busy_second is not None and s.prompt_token_rate > 0:
-            busy_tokens = s.prefill.tokens_per_busy_second * s.prefill.busy * s.prefill.replicas
-            computed_share = min(1.0, busy_tokens / s.prompt_token_rate)
+        self.decode_seqs.observe(self._decode_capacity(s))
+        computed_share = 1.0 - s.prefill.cached_share
         self.prefill_load.observe(s.prompt_token_rate * computed_share, s.interval_s)
-        self.decode_load.observe(s.decode.running + s.decode.waiting, s.interval_s)
+        # Sequences held understate what a pool with room to spare needs: each runs
+        # faster, so fewer run at once, and a pool sized on them shrinks, slows down and
+        # grows back, over and over. What the arrivals need at the TPOT target (Little's
+        # law) does not depend on the pool's size.
+        at_target = s.request_rate * (s.mean_output_tokens or 0.0) * c.tpot_p99_s
+        self.decode_load.observe(max(s.decode.running + s.decode.waiting, at_target), s.interval_s)
+
+    def _decode_capacity(self, s: Signals) -> float | None:
+        """What this interval says of the sequences one decode replica holds at the TPOT
+        target (``None``: nothing)."""
+        target = self.config.tpot_p99_s
+        per_replica = s.decode.running / max(1, s.decode.replicas)
+        if not s.tpot_p99 or per_replica < 1:
+            return None
+        tokens_per_s, mean = s.decode.tokens_per_busy_second, s.tpot_mean
+        if tokens_per_s is None or mean is None:
+            return per_replica * target / s.tpot_p99
+        # The output tokens a replica made per second over the interval, held for the
+        # target's time. A replica's throughput climbs with its batch to a ceiling
+        # (beyond the target too, but by little there: the SLO guard covers it), so a
+        # loaded replica tells it well; on a light one (mean TPOT under a quarter of the
+        # target) a step's fixed cost hides the cost per sequence, and sizing on that
+        # would grow the pool, lighten it further and grow it again.
+        if mean < target / 4:
+            return None
+        return tokens_per_s * target
 
     def estimate(self, s: Signals) -> tuple[Estimate, Estimate]:
         c = self.config
@@ -173,14 +195,28 @@ class CapacityModel:
         prefill_forecast = self.prefill_load.ahead(lead)
         tps = self.prefill_tps.value
         prefill_wanted = (
-            math.ceil(prefill_forecast / (tps * c.target_busy)) if tps else s.prefill.replicas
+            math.ceil(prefill_forecast / (tps * c.target_busy))
+            if tps
+            else _uncalibrated(prefill_forecast, s.prefill.replicas)
         )
         ttft_broken = s.ttft_p99 is not None and s.ttft_p99 > c.ttft_p99_s
-        if ttft_broken and (s.prefill.queued_prefill_tokens > 0 or s.prefill.busy > c.target_busy):
-            prefill_wanted = max(prefill_wanted, s.prefill.replicas + 1)
+        queued = s.prefill.queued_prefill_tokens
+        if ttft_broken and (queued > 0 or s.prefill.busy > c.target_busy):
+            # The queue must be computed within the TTFT target, on top of what arrives:
+            # after a step up in load, it is what the forecast has not caught up with.
+            drain = (
+                math.ceil((prefill_forecast + queued / c.ttft_p99_s) / (tps * c.target_busy))
+                if tps
+                else 0
+            )
+            prefill_wanted = max(prefill_wanted, drain, s.prefill.replicas + 1)
         decode_forecast = self.decode_load.ahead(lead)
         seqs = self.decode_seqs.value
-        decode_wanted = math.ceil(decode_forecast / seqs) if seqs else s.decode.replicas
+        decode_wanted = (
+            math.ceil(decode_forecast / seqs)
+            if seqs
+            else _uncalibrated(decode_forecast, s.decode.replicas)
+        )
         tpot_broken = s.tpot_p99 is not None and s.tpot_p99 > c.tpot_p99_s
         if tpot_broken:
             decode_wanted = max(decode_wanted, s.decode.replicas + 1)
@@ -194,6 +230,13 @@ class CapacityModel:
                 self.decode_load.level or 0.0, decode_forecast, seqs, tpot_broken,
             ),
         )  # fmt: skip
+
+
+def _uncalibrated(forecast: float, replicas: int) -> int:
+    """Replicas wanted before a replica's capacity was ever measured: the pool as it is,
+    unless less than one unit of load (a sequence, a token per second) is forecast, when
+    nothing beyond the pool's minimum is needed."""
+    return replicas if forecast >= 1.0 else 0
 
 
 class Decider:

@@ -33,6 +33,9 @@ class PoolSignals:
     decode: output tokens per busy second. ``None`` without work in the interval."""
     kv_usage: float
     """Highest KV cache usage in the pool (0-1)."""
+    cached_share: float = 0.0
+    """Prefill: the share of the prompt tokens of the prefills finished in the interval
+    that the prefix cache held (0 without any)."""
 
 
 @dataclass(frozen=True)
@@ -50,6 +53,9 @@ class Signals:
     mean_output_tokens: float | None
     prefill: PoolSignals
     decode: PoolSignals
+    tpot_mean: float | None = None
+    """The mean TPOT of the interval: exact (the histogram's sum over its count), where
+    the percentiles are interpolated inside buckets up to 2.5x wide."""
 
 
 def histogram_quantile(
@@ -84,6 +90,14 @@ def histogram_quantile(
     return lower
 
 
+def histogram_mean(before: Scrape, after: Scrape, family: str) -> float | None:
+    """The mean of the observations a histogram got between two scrapes (``None``: none)."""
+    name = PREFIX + family
+    count = after.value(name + "_count") - before.value(name + "_count")
+    total = after.value(name + "_sum") - before.value(name + "_sum")
+    return total / count if count > 0 else None
+
+
 def _rate(before: Scrape, after: Scrape, interval: float, name: str, **labels: str) -> float:
     return max(0.0, after.value(name, **labels) - before.value(name, **labels)) / interval
 
@@ -91,13 +105,18 @@ def _rate(before: Scrape, after: Scrape, interval: float, name: str, **labels: s
 def _pool(
     role: str, before: Sequence[Scrape], after: Sequence[Scrape], interval: float
 ) -> PoolSignals:
-    busy, computed, usage = [], 0.0, 0.0
+    busy, computed, usage, queried, cached = [], 0.0, 0.0, 0.0, 0.0
     for b, a in zip(before, after, strict=True):
         busy.append(min(1.0, _rate(b, a, interval, "engine_busy_seconds_total")))
         if role == "prefill":
-            prompt = a.value("prompt_tokens_total") - b.value("prompt_tokens_total")
+            # A prefill worker counts a prompt's cache query and hits when its first token
+            # is out: the prompts finished in the interval, less their cached tokens, are
+            # what it computed. (Its prompt_tokens_total counts prompts as they arrive: a
+            # saturated pool would be credited with its growing queue.)
+            prompt = a.value("prefix_cache_queries_total") - b.value("prefix_cache_queries_total")
             hits = a.value("prefix_cache_hits_total") - b.value("prefix_cache_hits_total")
             computed += max(0.0, prompt - hits)
+            queried, cached = queried + max(0.0, prompt), cached + max(0.0, hits)
         else:
             computed += max(
                 0.0, a.value("generation_tokens_total") - b.value("generation_tokens_total")
@@ -114,6 +133,7 @@ def _pool(
         busy=sum(busy) / len(busy) if busy else 0.0,
         tokens_per_busy_second=computed / busy_seconds if busy_seconds > 0.05 * interval else None,
         kv_usage=usage,
+        cached_share=min(1.0, cached / queried) if queried > 0 else 0.0,
     )
 
 
@@ -145,4 +165,5 @@ def signals(
         mean_output_tokens=outputs / finished if finished else None,
         prefill=_pool("prefill", *prefill, t),
         decode=_pool("decode", *decode, t),
+        tpot_mean=histogram_mean(r0, r1, "time_per_output_token_seconds"),
     )
