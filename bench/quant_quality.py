@@ -13,6 +13,15 @@ multiply by, up to float rounding). Greedy agreement runs the engine itself: pro
 32-token windows of the same text; reported are the fraction of prompts whose first 32
 greedy tokens equal float32's and the mean position of the first difference (32 when
 none). Writes ``bench/results/quant_quality.json``.
+
+    python bench/quant_quality.py --kv-cache-dtype int8 fp8 [--kv-cache-memory-gb 1]
+
+measures a quantized KV cache instead (weights float32): perplexity through the engine's
+own model and attention with the cache of each ``--kv-cache-dtype`` (each window fed in
+64-token chunks, so every chunk after the first reads its context back from the
+quantized cache), greedy agreement with a float32-KV engine as above, and the KV blocks
+and full-length (``max_model_len``) sequences that ``--kv-cache-memory-gb`` holds for
+each storage. Writes ``bench/results/kv_quant_quality.json``.
 """
 
 from __future__ import annotations
@@ -27,7 +36,9 @@ import torch
 
 REPO = Path(__file__).resolve().parent.parent
 RESULTS = REPO / "bench" / "results" / "quant_quality.json"
+KV_RESULTS = REPO / "bench" / "results" / "kv_quant_quality.json"
 WINDOW = 256
+KV_CHUNK = 64
 SETTINGS = {"int8": ("int8", 64), "int4-g64": ("int4", 64), "int4-g128": ("int4", 128)}
 
 
@@ -79,12 +90,81 @@ def perplexity(model: Path, tokens: list[int], setting: tuple[str, int] | None) 
     return math.exp(nll / count)
 
 
-def greedy(model: Path, prompts: list[list[int]], setting: tuple[str, int] | None):
+def kv_perplexity(model: Path, tokens: list[int], kv_cache_dtype: str) -> float:
+    """Perplexity of the engine's own forward (float32 weights) with the given KV cache,
+    each window of ``WINDOW`` tokens fed as ``KV_CHUNK``-token prefill chunks."""
+    from tandem.engine import LLM
+    from tandem.engine.attention.metadata import AttentionMetadata
+
+    nll, count = 0.0, 0
+    with (
+        LLM(
+            str(model),
+            dtype="float32",
+            num_kv_blocks=64,
+            max_model_len=4 * WINDOW,
+            kv_cache_dtype=kv_cache_dtype,
+        ) as llm,
+        torch.no_grad(),
+    ):
+        runner = llm.engine.runner
+        bs = runner.layout.block_size
+        table = torch.arange(-(-WINDOW // bs)).unsqueeze(0)
+        for start in range(0, len(tokens) - 1, WINDOW):
+            ids = torch.tensor(tokens[start : start + WINDOW + 1])
+            for lo in range(0, len(ids) - 1, KV_CHUNK):
+                hi = min(lo + KV_CHUNK, len(ids) - 1)
+                positions = torch.arange(lo, hi)
+                meta = AttentionMetadata(
+                    slot_mapping=positions,  # the window's blocks are 0, 1, ... in order
+                    block_table=table,
+                    seq_lens=torch.tensor([hi]),
+                    query_start_loc=(0, hi - lo),
+                    seq_lens_list=(hi,),
+                    num_decodes=int(hi - lo == 1),
+                    block_size=bs,
+                )
+                runner.backend.plan(meta)
+                hidden = runner.model(ids[lo:hi], positions, runner.kv_caches, runner.backend, meta)
+                logits = runner.model.compute_logits(hidden)
+                loss = torch.nn.functional.cross_entropy(
+                    logits, ids[lo + 1 : hi + 1], reduction="sum"
+                )
+                nll += loss.item()
+                count += hi - lo
+    return math.exp(nll / count)
+
+
+def kv_capacity(model: Path, memory_gb: float, kv_cache_dtype: str) -> tuple[int, int]:
+    """(KV blocks, full-length sequences) that ``memory_gb`` of cache holds."""
+    from tandem.common.model_config import ModelConfig
+    from tandem.engine.config import DEFAULT_BLOCK_SIZE, EngineConfig
+    from tandem.engine.llm_engine import check_config
+
+    config = EngineConfig(
+        str(model),
+        dtype="float32",
+        kv_cache_memory_gb=memory_gb,
+        max_num_seqs=1 << 20,
+        kv_cache_dtype=kv_cache_dtype,
+    )
+    blocks = check_config(config)
+    max_len = ModelConfig.from_dir(str(model)).max_position_embeddings
+    return blocks, blocks // -(-max_len // DEFAULT_BLOCK_SIZE)
+
+
+def greedy(
+    model: Path,
+    prompts: list[list[int]],
+    setting: tuple[str, int] | None,
+    kv_cache_dtype: str = "auto",
+):
     from tandem.engine import LLM, SamplingParams
 
     config = {} if setting is None else {"quantization": setting[0]}
     if setting is not None:
         config["quantization_group_size"] = setting[1]
+    config["kv_cache_dtype"] = kv_cache_dtype
     params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
     with LLM(str(model), num_kv_blocks=256, **config) as llm:
         return [o.token_ids for o in llm.generate(prompts, params)]
@@ -100,16 +180,62 @@ def agreement(reference: list[list[int]], other: list[list[int]]) -> tuple[float
     return exact, sum(firsts) / len(firsts)
 
 
+def kv_report(
+    model: Path, tokens: list[int], prompts: list[list[int]], kinds: list[str], memory_gb: float
+) -> dict:
+    base_ppl = kv_perplexity(model, tokens, "auto")
+    base_tokens = greedy(model, prompts, None)
+    blocks, seqs = kv_capacity(model, memory_gb, "auto")
+    report = {
+        "tokens": len(tokens),
+        "prompts": len(prompts),
+        "kv_cache_memory_gb": memory_gb,
+        "auto": {"ppl": base_ppl, "kv_blocks": blocks, "max_seqs": seqs},
+    }
+    print(f"KV auto (float32) perplexity {base_ppl:.3f}  {blocks} blocks, {seqs} sequences")
+    for kind in kinds:
+        ppl = kv_perplexity(model, tokens, kind)
+        exact, first = agreement(base_tokens, greedy(model, prompts, None, kind))
+        blocks, seqs = kv_capacity(model, memory_gb, kind)
+        report[kind] = {
+            "ppl": ppl,
+            "ppl_increase": ppl / base_ppl - 1,
+            "greedy_32_match": exact,
+            "mean_first_divergence": first,
+            "kv_blocks": blocks,
+            "max_seqs": seqs,
+        }
+        print(
+            f"KV {kind:5s} perplexity {ppl:.3f} ({100 * (ppl / base_ppl - 1):+.2f}%)  "
+            f"first 32 greedy tokens equal: {100 * exact:.0f}%  "
+            f"mean first divergence: {first:.1f}  {blocks} blocks, {seqs} sequences"
+        )
+    return report
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default=str(REPO / "engine/assets/trained/target"))
     parser.add_argument("--tokens", type=int, default=16384)
     parser.add_argument("--prompts", type=int, default=32)
+    parser.add_argument(
+        "--kv-cache-dtype",
+        nargs="+",
+        choices=("int8", "fp8"),
+        help="measure these KV cache dtypes against float32 KV instead of weight quantization",
+    )
+    parser.add_argument("--kv-cache-memory-gb", type=float, default=1.0)
     args = parser.parse_args()
     model = Path(args.model)
     tokens = held_out_tokens(model, args.tokens)
     step = len(tokens) // args.prompts
     prompts = [tokens[i * step : i * step + 32] for i in range(args.prompts)]
+    if args.kv_cache_dtype:
+        report = kv_report(model, tokens, prompts, args.kv_cache_dtype, args.kv_cache_memory_gb)
+        KV_RESULTS.parent.mkdir(exist_ok=True)
+        KV_RESULTS.write_text(json.dumps(report, indent=2) + "\n")
+        print(f"wrote {KV_RESULTS}")
+        return 0
     base_ppl = perplexity(model, tokens, None)
     base_tokens = greedy(model, prompts, None)
     report = {"tokens": len(tokens), "prompts": len(prompts), "float32_ppl": base_ppl}

@@ -11,6 +11,7 @@ from tandem.common.model_config import ModelConfig
 from tandem.common.sampling_params import MAX_SPECULATIVE_TOKENS, SpecMethod
 from tandem.engine.attention.base import AttentionBackendKind, select_backend_kind
 from tandem.engine.attention.flash import FLASH_BLOCK_SIZE_MULTIPLE
+from tandem.engine.attention.kv_quant import KVCacheDtype, parse_kv_cache_dtype
 from tandem.engine.layers.linear import LinearBackend, select_linear_backend
 from tandem.engine.quantization.checkpoint import stored_quantization
 from tandem.engine.quantization.scheme import (
@@ -82,6 +83,11 @@ class EngineConfig:
     """Input channels per int4 scale / zero point: 32, 64 or 128."""
     quantize_lm_head: bool = False
     """Quantize the output projection too (embeddings always stay float)."""
+    kv_cache_dtype: str = "auto"
+    """How the KV cache stores keys and values: ``auto`` (the model dtype), ``int8``
+    (symmetric absmax) or ``fp8`` (e4m3), both with a float32 scale per token and KV head
+    (``engine/attention/kv_quant.py``); 1-byte values fit ~4x the float32 blocks in the
+    same memory. Not with the flash backend."""
 
     def __post_init__(self) -> None:
         if self.dtype != "auto" and self.dtype not in _DTYPES:
@@ -131,6 +137,14 @@ class EngineConfig:
                 f"{self.ngram_max_n}"
             )
         self.quantization_config()  # raises on a bad method or group size
+        if (
+            parse_kv_cache_dtype(self.kv_cache_dtype).quantized
+            and self.attention_backend == AttentionBackendKind.FLASH.value
+        ):
+            raise ValueError(
+                f"kv_cache_dtype {self.kv_cache_dtype!r} needs attention_backend torch, sdpa or "
+                "cpu: the flash kernels read only an unquantized cache"
+            )
         if self.quantize_lm_head and self.quantization is None:
             raise ValueError("quantize_lm_head needs quantization (int8 or int4)")
         if not 0 < self.gpu_memory_utilization <= 1:
@@ -169,6 +183,7 @@ class EngineRuntime:
     quantization: QuantizationConfig | None = None
     """Applied at load to a float checkpoint; ``None`` for float weights or a checkpoint
     that is quantized already (it loads as written)."""
+    kv_cache_dtype: KVCacheDtype = KVCacheDtype.AUTO
 
 
 def resolve_runtime(config: EngineConfig, model: ModelConfig) -> EngineRuntime:
@@ -185,7 +200,10 @@ def resolve_runtime(config: EngineConfig, model: ModelConfig) -> EngineRuntime:
                 f"quantization runs on the CPU in float32, not {device.type} {config.dtype}"
             )
     requested = AttentionBackendKind(config.attention_backend) if config.attention_backend else None
+    kv_cache_dtype = parse_kv_cache_dtype(config.kv_cache_dtype)
     backend = select_backend_kind(requested, device, dtype)
+    if kv_cache_dtype.quantized and backend is AttentionBackendKind.FLASH:
+        backend = AttentionBackendKind.SDPA  # flash was only the default (a request is refused)
     block_size = config.block_size or (
         FLASH_BLOCK_SIZE_MULTIPLE if backend is AttentionBackendKind.FLASH else DEFAULT_BLOCK_SIZE
     )
@@ -205,7 +223,15 @@ def resolve_runtime(config: EngineConfig, model: ModelConfig) -> EngineRuntime:
         if not config.enable_chunked_prefill:
             budget = max(budget, max_model_len)  # a whole prompt must fit one step
     return EngineRuntime(
-        device, dtype, backend, linear, block_size, max_model_len, budget, quantization
+        device,
+        dtype,
+        backend,
+        linear,
+        block_size,
+        max_model_len,
+        budget,
+        quantization,
+        kv_cache_dtype,
     )
 
 

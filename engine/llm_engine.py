@@ -67,7 +67,9 @@ def check_config(config: EngineConfig) -> int:
 def kv_layout(mc: ModelConfig, rt: EngineRuntime, tp_size: int = 1) -> KVCacheLayout:
     """The KV cache of one rank: its KV heads only (all of them at ``tp_size`` 1)."""
     heads = head_split(mc, 0, tp_size).kv.size
-    return KVCacheLayout(rt.block_size, mc.num_layers, heads, mc.head_dim, rt.dtype)
+    return KVCacheLayout(
+        rt.block_size, mc.num_layers, heads, mc.head_dim, rt.dtype, rt.kv_cache_dtype
+    )
 
 
 def build_runner(config: EngineConfig, rank: int, rendezvous: Rendezvous) -> ModelRunner:
@@ -140,6 +142,13 @@ class LLMEngine:
         if self.ranks is not None:
             self._rank_watch = RankWatch(self.ranks, self._rank_lost)
         self.num_kv_blocks = num_kv_blocks(config, rt, layout.bytes_per_block)
+        log.info(
+            "KV cache: %d blocks of %d tokens, %s, %d bytes per block",
+            self.num_kv_blocks,
+            layout.block_size,
+            rt.kv_cache_dtype.value,
+            layout.bytes_per_block,
+        )
         self.runner.allocate_kv_cache(self.num_kv_blocks)
         self.rank_control: RankControl | None = None
         """Rank 0's call channel to the other ranks (KV transfer), at size > 1."""

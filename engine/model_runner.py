@@ -17,6 +17,7 @@ import torch
 
 from tandem.common.model_config import ModelConfig
 from tandem.engine.attention.base import AttentionBackendKind, make_backend
+from tandem.engine.attention.kv_quant import KVCacheDtype, cache_row
 from tandem.engine.layers.linear import LinearBackend, pack_linear_layers
 from tandem.engine.loader import load_model
 from tandem.engine.parallel.group import TensorParallelGroup
@@ -39,18 +40,30 @@ class RunnerOutput:
 
 @dataclass(frozen=True)
 class KVCacheLayout:
-    """Per-layer cache tensor: ``[2 (K, V), num_blocks, block_size, num_kv_heads, head_dim]``."""
+    """Per-layer cache tensor: ``[2 (K, V), num_blocks, block_size, num_kv_heads,
+    row_width]`` of ``storage_dtype``: ``head_dim`` values of ``dtype``, or, quantized,
+    ``head_dim`` one-byte codes + a float32 scale as uint8 (``kv_quant``)."""
 
     block_size: int
     num_layers: int
     num_kv_heads: int
     head_dim: int
     dtype: torch.dtype
+    """The model's compute dtype (what attention reads)."""
+    kv_cache_dtype: KVCacheDtype = KVCacheDtype.AUTO
+
+    @property
+    def row_width(self) -> int:
+        return cache_row(self.kv_cache_dtype, self.head_dim, self.dtype)[0]
+
+    @property
+    def storage_dtype(self) -> torch.dtype:
+        return cache_row(self.kv_cache_dtype, self.head_dim, self.dtype)[1]
 
     @property
     def bytes_per_token(self) -> int:
-        itemsize = torch.empty((), dtype=self.dtype).element_size()
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * itemsize
+        itemsize = torch.empty((), dtype=self.storage_dtype).element_size()
+        return 2 * self.num_layers * self.num_kv_heads * self.row_width * itemsize
 
     @property
     def bytes_per_block(self) -> int:
@@ -87,7 +100,9 @@ class ModelRunner:
         if linear_backend is LinearBackend.ONEDNN:
             pack_linear_layers(self.model)
         self.kv_caches: list[torch.Tensor] = []
-        self.backend = make_backend(backend, model_config.head_dim**-0.5, layout.block_size)
+        self.backend = make_backend(
+            backend, model_config.head_dim**-0.5, layout.block_size, layout.kv_cache_dtype
+        )
         self.sampler = Sampler(device, seed)
         self._generators: dict[str, torch.Generator] = {}
         self.structured: StructuredOutputs | None = None
@@ -99,9 +114,10 @@ class ModelRunner:
         if self._plans is not None and self.tp.is_first:
             self._plans.send(PlanKind.ALLOCATE_KV, num_blocks)
         lay = self.layout
-        shape = (2, num_blocks, lay.block_size, lay.num_kv_heads, lay.head_dim)
+        shape = (2, num_blocks, lay.block_size, lay.num_kv_heads, lay.row_width)
         self.kv_caches = [
-            torch.zeros(shape, dtype=lay.dtype, device=self.device) for _ in range(lay.num_layers)
+            torch.zeros(shape, dtype=lay.storage_dtype, device=self.device)
+            for _ in range(lay.num_layers)
         ]
 
     def unpack_on_ranks(self, pull_id: int, block_ids: Sequence[int]) -> None:

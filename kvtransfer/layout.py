@@ -7,6 +7,7 @@ from typing import ClassVar
 
 import torch
 
+from tandem.engine.attention.kv_quant import KVCacheDtype, cache_row
 from tandem.kvtransfer.errors import FieldMismatch, IncompatibleKV
 from tandem.protos import PROTOCOL_VERSION, kv_transfer_pb2
 
@@ -21,8 +22,10 @@ class KVLayout:
     """Shape and type of one engine's paged KV cache.
 
     The engine's cache is one tensor per layer, ``[2 (K, V), num_blocks, block_size,
-    num_kv_heads, head_dim]``; block ids index dim 1. Packed blocks travel as one
-    ``[num_layers, 2, n, block_size, num_kv_heads, head_dim]`` tensor (``WIRE_LAYOUT``).
+    num_kv_heads, row_width]`` of ``storage_dtype``; block ids index dim 1. Packed blocks
+    travel as one ``[num_layers, 2, n, block_size, num_kv_heads, row_width]`` tensor
+    (``WIRE_LAYOUT``). A quantized cache (``kv_cache_dtype`` int8 / fp8) is uint8 rows of
+    ``head_dim`` codes + a float32 scale: the wire carries codes and scales as stored.
     """
 
     WIRE_LAYOUT: ClassVar[str] = "layer,kv,block,slot,head,dim"
@@ -35,6 +38,7 @@ class KVLayout:
     dtype: torch.dtype
     tp_size: int = 1
     """Ranks of the replica (``num_kv_heads`` is one rank's share)."""
+    kv_cache_dtype: KVCacheDtype = KVCacheDtype.AUTO
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "block_size", "num_kv_heads", "head_dim", "tp_size"):
@@ -44,15 +48,25 @@ class KVLayout:
             raise TypeError(f"KVLayout.dtype must be a torch.dtype, got {self.dtype!r}")
 
     @property
+    def row_width(self) -> int:
+        """Elements per token and KV head in the cache (``head_dim``, + 4 quantized)."""
+        return cache_row(self.kv_cache_dtype, self.head_dim, self.dtype)[0]
+
+    @property
+    def storage_dtype(self) -> torch.dtype:
+        """The cache tensors' dtype: ``dtype``, or ``uint8`` quantized."""
+        return cache_row(self.kv_cache_dtype, self.head_dim, self.dtype)[1]
+
+    @property
     def bytes_per_block(self) -> int:
         """K and V of one block across all layers."""
-        itemsize = torch.empty((), dtype=self.dtype).element_size()
-        per_layer = 2 * self.block_size * self.num_kv_heads * self.head_dim * itemsize
+        itemsize = torch.empty((), dtype=self.storage_dtype).element_size()
+        per_layer = 2 * self.block_size * self.num_kv_heads * self.row_width * itemsize
         return self.num_layers * per_layer
 
     def cache_shape(self, num_blocks: int) -> tuple[int, ...]:
         """Shape of one layer's cache tensor holding ``num_blocks`` blocks."""
-        return (2, num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
+        return (2, num_blocks, self.block_size, self.num_kv_heads, self.row_width)
 
     def packed_shape(self, num_blocks: int) -> tuple[int, ...]:
         """Shape of ``num_blocks`` packed blocks (see ``blocks.pack_blocks``)."""
@@ -69,6 +83,7 @@ class KVLayout:
             head_dim=self.head_dim,
             layout=self.WIRE_LAYOUT,
             tp_size=self.tp_size,
+            kv_cache_dtype=self.kv_cache_dtype.value,
         )
 
 
@@ -76,6 +91,7 @@ _CHECKED_FIELDS = (
     ("protocol version", "protocol_version"),
     ("model", "model"),
     ("dtype", "dtype"),
+    ("kv cache dtype", "kv_cache_dtype"),
     ("block size", "block_size"),
     ("KV layout", "layout"),
     ("tensor-parallel size", "tp_size"),

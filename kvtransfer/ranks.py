@@ -141,7 +141,7 @@ class RankKVAgent:
         if link is None:
             raise PairBroken(f"no pair with {endpoint} on this rank")
         shape = self.layout.packed_shape(num_blocks)
-        buffer = torch.empty(shape, dtype=self.layout.dtype, device=link.device)
+        buffer = torch.empty(shape, dtype=self.layout.storage_dtype, device=link.device)
         pending = link.post_recv(buffer, tag)
         with self._lock:
             self._staged[pull_id] = pending

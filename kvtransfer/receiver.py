@@ -237,7 +237,7 @@ class KVReceiver:
 
     def _check_out(self, out: torch.Tensor, num_blocks: int) -> None:
         shape = self.layout.packed_shape(num_blocks)
-        if tuple(out.shape) != shape or out.dtype != self.layout.dtype:
+        if tuple(out.shape) != shape or out.dtype != self.layout.storage_dtype:
             raise ValueError(f"out is {tuple(out.shape)} {out.dtype}, expected {shape}")
         if out.device != self.device or not out.is_contiguous():
             raise ValueError(f"out must be contiguous on {self.device}")
@@ -391,7 +391,7 @@ class KVReceiver:
             return pull.out
         shape = self.layout.packed_shape(len(pull.indices))
         pinned = wire.type == "cpu" and self.device.type == "cuda"
-        return torch.empty(shape, dtype=self.layout.dtype, device=wire, pin_memory=pinned)
+        return torch.empty(shape, dtype=self.layout.storage_dtype, device=wire, pin_memory=pinned)
 
     def _discard(self, peer: _Peer) -> None:
         """Drops the peer's pair; closing it (which fails any pending receive on both

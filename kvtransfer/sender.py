@@ -283,7 +283,7 @@ class KVSender:
         slot.close()
 
     def _pack(self, slot: _PairSlot, block_ids: Sequence[int]) -> torch.Tensor:
-        staging = slot.staging(self.layout.packed_shape(len(block_ids)), self.layout.dtype)
+        staging = slot.staging(self.layout.packed_shape(len(block_ids)), self.layout.storage_dtype)
         if slot.wire_device == self._device:
             return pack_blocks(self._kv_caches, block_ids, out=staging)
         return staging.copy_(pack_blocks(self._kv_caches, block_ids))
@@ -294,7 +294,10 @@ def _check_caches(layout: KVLayout, kv_caches: Sequence[torch.Tensor]) -> None:
         raise ValueError(f"{len(kv_caches)} cache tensors for {layout.num_layers} layers")
     for cache in kv_caches:
         num_blocks = cache.shape[1] if cache.dim() == 5 else 0
-        if tuple(cache.shape) != layout.cache_shape(num_blocks) or cache.dtype != layout.dtype:
+        if (
+            tuple(cache.shape) != layout.cache_shape(num_blocks)
+            or cache.dtype != layout.storage_dtype
+        ):
             raise ValueError(
                 f"cache tensor {tuple(cache.shape)} {cache.dtype} does not match {layout}"
             )

@@ -56,6 +56,11 @@ def random_kv_caches(layout: KVLayout, num_blocks: int, seed: int) -> list[torch
     """Deterministic for a given (layout, num_blocks, seed), in any process."""
     generator = torch.Generator().manual_seed(seed)
     shape = layout.cache_shape(num_blocks)
+    if layout.kv_cache_dtype.quantized:  # any bytes: codes and scales travel unread
+        return [
+            torch.randint(0, 256, shape, generator=generator, dtype=torch.uint8)
+            for _ in range(layout.num_layers)
+        ]
     return [
         torch.randn(shape, generator=generator).to(layout.dtype) for _ in range(layout.num_layers)
     ]

@@ -5,6 +5,6 @@ The ``.proto`` files are the source; ``*_pb2.py`` / ``*_pb2_grpc.py`` are genera
 grpcio-tools. ``tests/test_protos.py`` fails when they are stale.
 """
 
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3
 """Bumped on any incompatible change to the prefill <-> decode KV handshake (2: pulls
-carry a checksum of the bytes sent)."""
+carry a checksum of the bytes sent; 3: the compat names the KV cache dtype)."""

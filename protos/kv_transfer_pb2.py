@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1ftandem/protos/kv_transfer.proto\x12\ttandem.v1\"\xb3\x01\n\x08KVCompat\x12\x18\n\x10protocol_version\x18\x01 \x01(\r\x12\r\n\x05model\x18\x02 \x01(\t\x12\r\n\x05\x64type\x18\x03 \x01(\t\x12\x12\n\nblock_size\x18\x04 \x01(\r\x12\x12\n\nnum_layers\x18\x05 \x01(\r\x12\x14\n\x0cnum_kv_heads\x18\x06 \x01(\r\x12\x10\n\x08head_dim\x18\x07 \x01(\r\x12\x0e\n\x06layout\x18\x08 \x01(\t\x12\x0f\n\x07tp_size\x18\t \x01(\r\"f\n\x10HandshakeRequest\x12#\n\x06\x63ompat\x18\x01 \x01(\x0b\x32\x13.tandem.v1.KVCompat\x12\x18\n\x10\x64\x65\x63ode_worker_id\x18\x02 \x01(\t\x12\x13\n\x0b\x64\x65vice_type\x18\x03 \x01(\t\"\x9c\x01\n\x11HandshakeResponse\x12\x0f\n\x07pair_id\x18\x01 \x01(\t\x12\x12\n\ngeneration\x18\x02 \x01(\r\x12\x12\n\nstore_host\x18\x03 \x01(\t\x12\x12\n\nstore_port\x18\x04 \x01(\r\x12\x0f\n\x07\x62\x61\x63kend\x18\x05 \x01(\t\x12)\n\x0brank_offers\x18\x06 \x03(\x0b\x32\x14.tandem.v1.RankOffer\"i\n\tRankOffer\x12\x0f\n\x07pair_id\x18\x01 \x01(\t\x12\x12\n\ngeneration\x18\x02 \x01(\r\x12\x12\n\nstore_host\x18\x03 \x01(\t\x12\x12\n\nstore_port\x18\x04 \x01(\r\x12\x0f\n\x07\x62\x61\x63kend\x18\x05 \x01(\t\"n\n\x11PullBlocksRequest\x12\x10\n\x08lease_id\x18\x01 \x01(\t\x12\x0f\n\x07pair_id\x18\x02 \x01(\t\x12\x12\n\ngeneration\x18\x03 \x01(\r\x12\x15\n\rblock_indices\x18\x04 \x03(\r\x12\x0b\n\x03tag\x18\x05 \x01(\x04\"R\n\x12PullBlocksResponse\x12\x12\n\nbytes_sent\x18\x01 \x01(\x04\x12\x10\n\x08\x63hecksum\x18\x02 \x01(\x04\x12\x16\n\x0erank_checksums\x18\x03 \x03(\x04\" \n\x0cLeaseRequest\x12\x10\n\x08lease_id\x18\x01 \x01(\t\"-\n\rLeaseResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\x12\r\n\x05ttl_s\x18\x02 \x01(\x01\x32\xa3\x02\n\nKVTransfer\x12\x46\n\tHandshake\x12\x1b.tandem.v1.HandshakeRequest\x1a\x1c.tandem.v1.HandshakeResponse\x12I\n\nPullBlocks\x12\x1c.tandem.v1.PullBlocksRequest\x1a\x1d.tandem.v1.PullBlocksResponse\x12?\n\nRenewLease\x12\x17.tandem.v1.LeaseRequest\x1a\x18.tandem.v1.LeaseResponse\x12\x41\n\x0cReleaseLease\x12\x17.tandem.v1.LeaseRequest\x1a\x18.tandem.v1.LeaseResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1ftandem/protos/kv_transfer.proto\x12\ttandem.v1\"\xcb\x01\n\x08KVCompat\x12\x18\n\x10protocol_version\x18\x01 \x01(\r\x12\r\n\x05model\x18\x02 \x01(\t\x12\r\n\x05\x64type\x18\x03 \x01(\t\x12\x12\n\nblock_size\x18\x04 \x01(\r\x12\x12\n\nnum_layers\x18\x05 \x01(\r\x12\x14\n\x0cnum_kv_heads\x18\x06 \x01(\r\x12\x10\n\x08head_dim\x18\x07 \x01(\r\x12\x0e\n\x06layout\x18\x08 \x01(\t\x12\x0f\n\x07tp_size\x18\t \x01(\r\x12\x16\n\x0ekv_cache_dtype\x18\n \x01(\t\"f\n\x10HandshakeRequest\x12#\n\x06\x63ompat\x18\x01 \x01(\x0b\x32\x13.tandem.v1.KVCompat\x12\x18\n\x10\x64\x65\x63ode_worker_id\x18\x02 \x01(\t\x12\x13\n\x0b\x64\x65vice_type\x18\x03 \x01(\t\"\x9c\x01\n\x11HandshakeResponse\x12\x0f\n\x07pair_id\x18\x01 \x01(\t\x12\x12\n\ngeneration\x18\x02 \x01(\r\x12\x12\n\nstore_host\x18\x03 \x01(\t\x12\x12\n\nstore_port\x18\x04 \x01(\r\x12\x0f\n\x07\x62\x61\x63kend\x18\x05 \x01(\t\x12)\n\x0brank_offers\x18\x06 \x03(\x0b\x32\x14.tandem.v1.RankOffer\"i\n\tRankOffer\x12\x0f\n\x07pair_id\x18\x01 \x01(\t\x12\x12\n\ngeneration\x18\x02 \x01(\r\x12\x12\n\nstore_host\x18\x03 \x01(\t\x12\x12\n\nstore_port\x18\x04 \x01(\r\x12\x0f\n\x07\x62\x61\x63kend\x18\x05 \x01(\t\"n\n\x11PullBlocksRequest\x12\x10\n\x08lease_id\x18\x01 \x01(\t\x12\x0f\n\x07pair_id\x18\x02 \x01(\t\x12\x12\n\ngeneration\x18\x03 \x01(\r\x12\x15\n\rblock_indices\x18\x04 \x03(\r\x12\x0b\n\x03tag\x18\x05 \x01(\x04\"R\n\x12PullBlocksResponse\x12\x12\n\nbytes_sent\x18\x01 \x01(\x04\x12\x10\n\x08\x63hecksum\x18\x02 \x01(\x04\x12\x16\n\x0erank_checksums\x18\x03 \x03(\x04\" \n\x0cLeaseRequest\x12\x10\n\x08lease_id\x18\x01 \x01(\t\"-\n\rLeaseResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\x12\r\n\x05ttl_s\x18\x02 \x01(\x01\x32\xa3\x02\n\nKVTransfer\x12\x46\n\tHandshake\x12\x1b.tandem.v1.HandshakeRequest\x1a\x1c.tandem.v1.HandshakeResponse\x12I\n\nPullBlocks\x12\x1c.tandem.v1.PullBlocksRequest\x1a\x1d.tandem.v1.PullBlocksResponse\x12?\n\nRenewLease\x12\x17.tandem.v1.LeaseRequest\x1a\x18.tandem.v1.LeaseResponse\x12\x41\n\x0cReleaseLease\x12\x17.tandem.v1.LeaseRequest\x1a\x18.tandem.v1.LeaseResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -32,21 +32,21 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'tandem.protos.kv_transfer_p
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_KVCOMPAT']._serialized_start=47
-  _globals['_KVCOMPAT']._serialized_end=226
-  _globals['_HANDSHAKEREQUEST']._serialized_start=228
-  _globals['_HANDSHAKEREQUEST']._serialized_end=330
-  _globals['_HANDSHAKERESPONSE']._serialized_start=333
-  _globals['_HANDSHAKERESPONSE']._serialized_end=489
-  _globals['_RANKOFFER']._serialized_start=491
-  _globals['_RANKOFFER']._serialized_end=596
-  _globals['_PULLBLOCKSREQUEST']._serialized_start=598
-  _globals['_PULLBLOCKSREQUEST']._serialized_end=708
-  _globals['_PULLBLOCKSRESPONSE']._serialized_start=710
-  _globals['_PULLBLOCKSRESPONSE']._serialized_end=792
-  _globals['_LEASEREQUEST']._serialized_start=794
-  _globals['_LEASEREQUEST']._serialized_end=826
-  _globals['_LEASERESPONSE']._serialized_start=828
-  _globals['_LEASERESPONSE']._serialized_end=873
-  _globals['_KVTRANSFER']._serialized_start=876
-  _globals['_KVTRANSFER']._serialized_end=1167
+  _globals['_KVCOMPAT']._serialized_end=250
+  _globals['_HANDSHAKEREQUEST']._serialized_start=252
+  _globals['_HANDSHAKEREQUEST']._serialized_end=354
+  _globals['_HANDSHAKERESPONSE']._serialized_start=357
+  _globals['_HANDSHAKERESPONSE']._serialized_end=513
+  _globals['_RANKOFFER']._serialized_start=515
+  _globals['_RANKOFFER']._serialized_end=620
+  _globals['_PULLBLOCKSREQUEST']._serialized_start=622
+  _globals['_PULLBLOCKSREQUEST']._serialized_end=732
+  _globals['_PULLBLOCKSRESPONSE']._serialized_start=734
+  _globals['_PULLBLOCKSRESPONSE']._serialized_end=816
+  _globals['_LEASEREQUEST']._serialized_start=818
+  _globals['_LEASEREQUEST']._serialized_end=850
+  _globals['_LEASERESPONSE']._serialized_start=852
+  _globals['_LEASERESPONSE']._serialized_end=897
+  _globals['_KVTRANSFER']._serialized_start=900
+  _globals['_KVTRANSFER']._serialized_end=1191
 # @@protoc_insertion_point(module_scope)

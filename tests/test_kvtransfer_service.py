@@ -5,6 +5,7 @@ test_kvtransfer_e2e.py)."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -14,6 +15,7 @@ import grpc
 import pytest
 import torch
 
+from tandem.engine.attention.kv_quant import KVCacheDtype
 from tandem.kvtransfer.errors import KVPullFailed, PullFailure
 from tandem.kvtransfer.layout import KVLayout
 from tandem.kvtransfer.leases import EndedLease, LeaseTable
@@ -71,6 +73,7 @@ MISMATCHES = [
     ("protocol_version", PROTOCOL_VERSION + 1, "protocol version"),
     ("model", "other", "model"),
     ("dtype", "float16", "dtype"),
+    ("kv_cache_dtype", "int8", "kv cache dtype"),
     ("block_size", 16, "block size"),
     ("layout", "kv,layer,block,slot,head,dim", "KV layout"),
     ("num_kv_heads", 1, "KV heads"),
@@ -107,6 +110,25 @@ def test_incompatible_receiver_gets_a_typed_failure() -> None:
             await receiver.close()
         assert failed.value.reason is PullFailure.INCOMPATIBLE
         assert "dtype: local 'float32', remote 'float16'" in str(failed.value)
+
+    asyncio.run(main())
+
+
+@pytest.mark.timeout(30)
+def test_quantized_receiver_of_a_float_sender_gets_a_typed_failure() -> None:
+    """A decode worker with ``--kv-cache-dtype int8`` pulling from a float prefill worker:
+    refused by name, so it falls back to prefilling the prompt itself."""
+
+    async def main() -> None:
+        async with serving() as prefill:
+            lease = prefill.leases.grant("req", [1, 2], ttl=60)
+            int8 = dataclasses.replace(LAYOUT, kv_cache_dtype=KVCacheDtype.INT8)
+            receiver = KVReceiver(int8, "decode-0", "cpu")
+            with pytest.raises(KVPullFailed) as failed:
+                await receiver.pull(prefill.endpoint, lease, [0], timeout=5)
+            await receiver.close()
+        assert failed.value.reason is PullFailure.INCOMPATIBLE
+        assert "kv cache dtype: local 'auto', remote 'int8'" in str(failed.value)
 
     asyncio.run(main())
 

@@ -12,6 +12,7 @@ from typing import Protocol
 
 import torch
 
+from tandem.engine.attention.kv_quant import FloatKV, KVCacheDtype, make_kv_codec
 from tandem.engine.attention.metadata import AttentionMetadata
 
 
@@ -40,16 +41,15 @@ class AttentionBackend(Protocol):
         meta: AttentionMetadata,
         sliding_window: int | None,
     ) -> torch.Tensor:
-        """``q [T, H, D]``, ``k, v [T, KVH, D]``, ``kv_cache [2, num_blocks, block_size, KVH, D]``
-        → ``[T, H, D]``. Writes ``k``/``v`` into ``kv_cache`` at ``meta.slot_mapping``."""
+        """``q [T, H, D]``, ``k, v [T, KVH, D]``, ``kv_cache [2, num_blocks, block_size, KVH,
+        width]`` (``width`` ``D``, or ``D + 4`` uint8 when quantized: ``kv_quant``) →
+        ``[T, H, D]``. Writes ``k``/``v`` into ``kv_cache`` at ``meta.slot_mapping``."""
         ...
 
 
 def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
-    """Store new keys/values at their cache slots."""
-    kv_heads, head_dim = k.shape[1], k.shape[2]
-    kv_cache[0].view(-1, kv_heads, head_dim).index_copy_(0, slots, k)
-    kv_cache[1].view(-1, kv_heads, head_dim).index_copy_(0, slots, v)
+    """Store new keys/values at their cache slots (an unquantized cache)."""
+    FloatKV().write(kv_cache, k, v, slots)
 
 
 def flash_attn_available() -> bool:
@@ -86,20 +86,30 @@ def select_backend_kind(
     return AttentionBackendKind.SDPA
 
 
-def make_backend(kind: AttentionBackendKind, scale: float, block_size: int) -> AttentionBackend:
+def make_backend(
+    kind: AttentionBackendKind,
+    scale: float,
+    block_size: int,
+    kv_dtype: KVCacheDtype = KVCacheDtype.AUTO,
+) -> AttentionBackend:
+    """``kv_dtype``: how the cache stores values; every backend but flash reads a
+    quantized cache (``EngineConfig`` refuses flash with one)."""
+    codec = make_kv_codec(kv_dtype)
     if kind is AttentionBackendKind.TORCH:
         from tandem.engine.attention.torch_ref import TorchPagedAttention
 
-        return TorchPagedAttention(scale)
+        return TorchPagedAttention(scale, codec)
     if kind is AttentionBackendKind.SDPA:
         from tandem.engine.attention.sdpa import SdpaAttention
 
-        return SdpaAttention(scale)
+        return SdpaAttention(scale, codec)
     if kind is AttentionBackendKind.CPU:
         from tandem.engine.attention.cpu_paged import CpuPagedAttention
         from tandem.engine.attention.native import paged_decode_library
 
-        return CpuPagedAttention(scale, paged_decode_library())
+        return CpuPagedAttention(scale, paged_decode_library(), kv_dtype)
+    if kv_dtype.quantized:
+        raise ValueError(f"attention_backend 'flash' cannot read a {kv_dtype.value} KV cache")
     from tandem.engine.attention.flash import FlashAttention
 
     return FlashAttention(scale, block_size)

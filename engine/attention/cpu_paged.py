@@ -5,16 +5,22 @@ straight from the paged cache through its block table, once, with the query head
 GQA group sharing each row. The torch path instead gathers every block into a padded
 copy and reads it again in SDPA: three passes over the KV bytes instead of one, plus the
 padding to the longest sequence. float32 only; other dtypes use ``SdpaAttention``.
+
+A quantized cache (``kv_quant``) has its own kernel entry point, chosen here once:
+``tandem_paged_decode_i8`` / ``_fp8`` read the one-byte codes and their scales in place,
+decoding each token-head row once for its whole GQA group (fp8 through a 256-entry table
+of torch's own e4m3 values).
 """
 
 from __future__ import annotations
 
 import ctypes
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
-from tandem.engine.attention.base import write_kv
+from tandem.engine.attention.kv_quant import KVCacheDtype, make_kv_codec
 from tandem.engine.attention.metadata import AttentionMetadata
 from tandem.engine.attention.sdpa import SdpaAttention
 
@@ -28,9 +34,11 @@ k + 1 tokens about as cheap as a decode instead of taking the SDPA path."""
 
 
 class CpuPagedAttention(SdpaAttention):
-    def __init__(self, scale: float, library: ctypes.CDLL) -> None:
-        super().__init__(scale)
-        self._kernel = library.tandem_paged_decode_f32
+    def __init__(
+        self, scale: float, library: ctypes.CDLL, kv_dtype: KVCacheDtype = KVCacheDtype.AUTO
+    ) -> None:
+        super().__init__(scale, make_kv_codec(kv_dtype))
+        self._kernel, self._kernel_tail = _kernel_for(library, kv_dtype)
         self._rows: _KernelRows | None = None
         self._long_spans: list[tuple[int, int, int, int]] = []
 
@@ -71,7 +79,7 @@ class CpuPagedAttention(SdpaAttention):
         meta: AttentionMetadata,
         sliding_window: int | None,
     ) -> torch.Tensor:
-        write_kv(kv_cache, k, v, meta.slot_mapping)
+        self.kv.write(kv_cache, k, v, meta.slot_mapping)
         out = torch.empty_like(q)
         rows = self._rows
         if rows is not None:
@@ -115,12 +123,34 @@ class CpuPagedAttention(SdpaAttention):
             self.scale,
             sliding_window or 0,
             torch.get_num_threads(),
+            *self._kernel_tail,
         )
         if status != 0:
             raise RuntimeError(
                 f"paged decode kernel failed (heads {num_heads}/{num_kv_heads}, dim {head_dim})"
             )
         return out
+
+
+def _kernel_for(
+    library: ctypes.CDLL, kv_dtype: KVCacheDtype
+) -> tuple[Callable[..., int], tuple[ctypes.c_void_p, ...]]:
+    """The kernel reading ``kv_dtype``, and the arguments it takes after the common ones
+    (fp8: the address of its code table, kept alive by the tuple's owner)."""
+    if kv_dtype is KVCacheDtype.INT8:
+        return library.tandem_paged_decode_i8, ()
+    if kv_dtype is KVCacheDtype.FP8:
+        table = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
+        return library.tandem_paged_decode_fp8, (_Address(table),)
+    return library.tandem_paged_decode_f32, ()
+
+
+class _Address(ctypes.c_void_p):
+    """A tensor's data address as a ctypes argument that keeps the tensor alive."""
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        super().__init__(tensor.data_ptr())
+        self.tensor = tensor
 
 
 @dataclass(frozen=True)

@@ -63,11 +63,17 @@ def paged_decode_library() -> ctypes.CDLL | None:
                 return None
             built.replace(target)  # atomic: concurrent builders never see half a file
     library = ctypes.CDLL(str(target))
-    fn = library.tandem_paged_decode_f32
-    fn.restype = ctypes.c_int
-    fn.argtypes = (
+    decode_args = (
         [ctypes.c_void_p] * 6
         + [ctypes.c_int64] * 7
         + [ctypes.c_float, ctypes.c_int64, ctypes.c_int]
     )
+    for name, extra in (
+        ("tandem_paged_decode_f32", []),
+        ("tandem_paged_decode_i8", []),
+        ("tandem_paged_decode_fp8", [ctypes.c_void_p]),  # the code -> value table
+    ):
+        fn = getattr(library, name)
+        fn.restype = ctypes.c_int
+        fn.argtypes = decode_args + extra
     return library

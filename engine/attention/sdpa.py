@@ -4,7 +4,8 @@ Prefill chunks run one SDPA call each: a chunk with no cached prefix attends to 
 fresh keys with the built-in causal mask (the fast path); a chunk after a cached prefix
 reads its context through the block table with an explicit mask. All decodes of a step
 run as one padded SDPA batch whose mask is built once per step and window, then reused
-by every layer.
+by every layer. With a quantized cache, gathered blocks are dequantized before SDPA and a
+chunk's own fresh keys/values go through the same quantize-dequantize round trip.
 """
 
 from __future__ import annotations
@@ -12,13 +13,14 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from tandem.engine.attention.base import write_kv
+from tandem.engine.attention.kv_quant import FloatKV, KVCodec
 from tandem.engine.attention.metadata import AttentionMetadata, gather_kv, visible_keys
 
 
 class SdpaAttention:
-    def __init__(self, scale: float) -> None:
+    def __init__(self, scale: float, kv: KVCodec | None = None) -> None:
         self.scale = scale
+        self.kv = kv or FloatKV()
         self._decode_masks: dict[int | None, torch.Tensor] = {}
 
     def plan(self, meta: AttentionMetadata) -> None:
@@ -33,7 +35,7 @@ class SdpaAttention:
         meta: AttentionMetadata,
         sliding_window: int | None,
     ) -> torch.Tensor:
-        write_kv(kv_cache, k, v, meta.slot_mapping)
+        self.kv.write(kv_cache, k, v, meta.slot_mapping)
         out = torch.empty_like(q)
         if meta.num_decodes:
             out[: meta.num_decodes] = self._decode(
@@ -81,8 +83,10 @@ class SdpaAttention:
         mask = None
         if context_start > 0:
             table = meta.block_table[seq : seq + 1]
-            k = gather_kv(kv_cache[0], table)[0, :seq_len]
-            v = gather_kv(kv_cache[1], table)[0, :seq_len]
+            k = self.kv.read(gather_kv(kv_cache[0], table)[0, :seq_len], q.dtype)
+            v = self.kv.read(gather_kv(kv_cache[1], table)[0, :seq_len], q.dtype)
+        else:
+            k, v = self.kv.roundtrip(k), self.kv.roundtrip(v)
         if context_start > 0 or (sliding_window is not None and seq_len > sliding_window):
             positions = torch.arange(context_start, seq_len, device=q.device)
             mask = visible_keys(positions, seq_len, sliding_window)
@@ -107,8 +111,8 @@ class SdpaAttention:
         sliding_window: int | None,
     ) -> torch.Tensor:
         table = meta.block_table[: meta.num_decodes]
-        keys = gather_kv(kv_cache[0], table).transpose(1, 2)
-        values = gather_kv(kv_cache[1], table).transpose(1, 2)
+        keys = self.kv.read(gather_kv(kv_cache[0], table), q.dtype).transpose(1, 2)
+        values = self.kv.read(gather_kv(kv_cache[1], table), q.dtype).transpose(1, 2)
         mask = self._decode_mask(meta, keys.shape[2], sliding_window)
         out = F.scaled_dot_product_attention(
             q.unsqueeze(2), keys, values, attn_mask=mask, scale=self.scale, enable_gqa=True

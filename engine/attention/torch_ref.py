@@ -1,21 +1,22 @@
 """Reference paged attention in plain torch: one sequence at a time, explicit softmax.
 
 Slow and obviously right: every key and value is read back from the paged cache through
-the sequence's block table, scores are computed in float32. The other backends are
-tested against it.
+the sequence's block table (dequantized when the cache is quantized), scores are computed
+in float32. The other backends are tested against it.
 """
 
 from __future__ import annotations
 
 import torch
 
-from tandem.engine.attention.base import write_kv
+from tandem.engine.attention.kv_quant import FloatKV, KVCodec
 from tandem.engine.attention.metadata import AttentionMetadata, gather_kv, visible_keys
 
 
 class TorchPagedAttention:
-    def __init__(self, scale: float) -> None:
+    def __init__(self, scale: float, kv: KVCodec | None = None) -> None:
         self.scale = scale
+        self.kv = kv or FloatKV()
 
     def plan(self, meta: AttentionMetadata) -> None:
         """Nothing to prepare: every layer recomputes its masks."""
@@ -29,15 +30,17 @@ class TorchPagedAttention:
         meta: AttentionMetadata,
         sliding_window: int | None,
     ) -> torch.Tensor:
-        write_kv(kv_cache, k, v, meta.slot_mapping)
+        self.kv.write(kv_cache, k, v, meta.slot_mapping)
         out = torch.empty_like(q)
         group = q.shape[1] // k.shape[1]
         for i in range(meta.num_seqs):
             q_start, q_end = meta.query_start_loc[i], meta.query_start_loc[i + 1]
             seq_len = meta.seq_lens_list[i]
             table = meta.block_table[i : i + 1]
-            keys = gather_kv(kv_cache[0], table)[0, :seq_len].repeat_interleave(group, dim=1)
-            values = gather_kv(kv_cache[1], table)[0, :seq_len].repeat_interleave(group, dim=1)
+            keys = self.kv.read(gather_kv(kv_cache[0], table)[0, :seq_len], q.dtype)
+            values = self.kv.read(gather_kv(kv_cache[1], table)[0, :seq_len], q.dtype)
+            keys = keys.repeat_interleave(group, dim=1)
+            values = values.repeat_interleave(group, dim=1)
             positions = torch.arange(seq_len - (q_end - q_start), seq_len, device=q.device)
             mask = visible_keys(positions, seq_len, sliding_window)
             scores = torch.einsum("qhd,khd->hqk", q[q_start:q_end].float(), keys.float())

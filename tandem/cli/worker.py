@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 from tandem.cli.options import (
     ATTENTION_BACKENDS,
     DTYPES,
+    KV_CACHE_DTYPES,
     LINEAR_BACKENDS,
     QUANTIZATIONS,
     SPECULATIVE_METHODS,
@@ -95,6 +96,13 @@ ENGINE_FLAGS: tuple[EngineFlag, ...] = (
         "weight-only quantization at load: int8 per output channel, int4 per group of "
         "input channels (default: none, or what a `tandem quantize` checkpoint holds)",
         QUANTIZATIONS,
+    ),
+    EngineFlag(
+        "kv-cache-dtype",
+        str,
+        "KV cache storage: auto (the model dtype) or 1-byte int8 / fp8 (e4m3) values with a "
+        "scale per token and head, ~4x the blocks per GiB (default: auto)",
+        KV_CACHE_DTYPES,
     ),
     EngineFlag(
         "quantization-group-size",

@@ -111,6 +111,128 @@ int tandem_paged_decode_f32(const float *q, const float *k_cache, const float *v
 }
 
 /* ---------------------------------------------------------------------------------------
+ * The same attention over a quantized cache (engine/attention/kv_quant.py): the cache is
+ * uint8, [num_blocks, block_size, num_kv_heads, head_dim + 4], each token-head row being
+ * head_dim one-byte codes then the float32 scale they are multiplied by. A row is decoded
+ * once into a float buffer and read by every query head of its GQA group; its scale is
+ * folded into the score (keys) or the softmax weight (values), so the arithmetic after
+ * the decode is the float32 kernel's. int8 codes convert directly; fp8 (e4m3) codes go
+ * through `lut`, the 256 values of the code bytes, which the caller supplies (torch's own
+ * decoding of float8_e4m3fn, so both paths agree bit for bit).
+ */
+
+static float decode_row(const uint8_t *row, int64_t head_dim, const float *lut, float *buf) {
+    if (lut == NULL) {
+        const int8_t *codes = (const int8_t *)row;
+#pragma omp simd
+        for (int64_t d = 0; d < head_dim; d++) buf[d] = (float)codes[d];
+    } else {
+        for (int64_t d = 0; d < head_dim; d++) buf[d] = lut[row[d]];
+    }
+    float scale;
+    memcpy(&scale, row + head_dim, sizeof scale); /* rows need not be 4-byte aligned */
+    return scale;
+}
+
+static void scores_of_q8(const float *q, const uint8_t *k_cache, const int64_t *table,
+                         int64_t lo, int64_t n, int64_t num_kv_heads, int64_t group,
+                         int64_t head_dim, int64_t block_size, float scale, const float *lut,
+                         float *buf, float *scores) {
+    const int64_t width = head_dim + 4, row = num_kv_heads * width;
+    for (int64_t i = 0; i < n; i++) {
+        const uint8_t *k = k_cache + slot_of(table, lo + i, block_size) * row;
+        for (int64_t g = 0; g < num_kv_heads; g++) {
+            const float s = scale * decode_row(k + g * width, head_dim, lut, buf);
+            for (int64_t h = g * group; h < (g + 1) * group; h++)
+                scores[h * n + i] = s * dot(q + h * head_dim, buf, head_dim);
+        }
+    }
+}
+
+static void weighted_values_q8(const float *scores, const float *totals, const uint8_t *v_cache,
+                               const int64_t *table, int64_t lo, int64_t n, int64_t num_heads,
+                               int64_t num_kv_heads, int64_t group, int64_t head_dim,
+                               int64_t block_size, const float *lut, float *buf, float *out) {
+    const int64_t width = head_dim + 4, row = num_kv_heads * width;
+    memset(out, 0, sizeof(float) * num_heads * head_dim);
+    for (int64_t i = 0; i < n; i++) {
+        const uint8_t *v = v_cache + slot_of(table, lo + i, block_size) * row;
+        for (int64_t g = 0; g < num_kv_heads; g++) {
+            const float s = decode_row(v + g * width, head_dim, lut, buf);
+            for (int64_t h = g * group; h < (g + 1) * group; h++) {
+                const float p = s * scores[h * n + i];
+                float *o = out + h * head_dim;
+#pragma omp simd
+                for (int64_t d = 0; d < head_dim; d++) o[d] += p * buf[d];
+            }
+        }
+    }
+    for (int64_t h = 0; h < num_heads; h++) {
+        const float inv = 1.0f / totals[h];
+        float *o = out + h * head_dim;
+#pragma omp simd
+        for (int64_t d = 0; d < head_dim; d++) o[d] *= inv;
+    }
+}
+
+static int paged_decode_q8(const float *q, const uint8_t *k_cache, const uint8_t *v_cache,
+                           const int64_t *block_table, const int64_t *seq_lens, float *out,
+                           int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads,
+                           int64_t head_dim, int64_t block_size, int64_t max_blocks,
+                           int64_t max_seq_len, float scale, int64_t window, int num_threads,
+                           const float *lut) {
+    const int64_t group = num_heads / num_kv_heads;
+    int failed = 0;
+#pragma omp parallel num_threads(num_threads)
+    {
+        float *scores = malloc(sizeof(float) * num_heads * (max_seq_len > 0 ? max_seq_len : 1));
+        float *totals = malloc(sizeof(float) * num_heads);
+        float *buf = malloc(sizeof(float) * head_dim);
+        if (scores == NULL || totals == NULL || buf == NULL) failed = 1;
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t b = 0; b < num_seqs; b++) {
+            if (scores == NULL || totals == NULL || buf == NULL) continue;
+            const int64_t len = seq_lens[b];
+            const int64_t lo = (window > 0 && len > window) ? len - window : 0;
+            const int64_t *table = block_table + b * max_blocks;
+            scores_of_q8(q + b * num_heads * head_dim, k_cache, table, lo, len - lo, num_kv_heads,
+                         group, head_dim, block_size, scale, lut, buf, scores);
+            softmax_numerators(scores, len - lo, num_heads, totals);
+            weighted_values_q8(scores, totals, v_cache, table, lo, len - lo, num_heads,
+                               num_kv_heads, group, head_dim, block_size, lut, buf,
+                               out + b * num_heads * head_dim);
+        }
+        free(scores);
+        free(totals);
+        free(buf);
+    }
+    return failed ? -1 : 0;
+}
+
+/* int8 codes; arguments as tandem_paged_decode_f32's, caches uint8 as above. */
+int tandem_paged_decode_i8(const float *q, const uint8_t *k_cache, const uint8_t *v_cache,
+                           const int64_t *block_table, const int64_t *seq_lens, float *out,
+                           int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads,
+                           int64_t head_dim, int64_t block_size, int64_t max_blocks,
+                           int64_t max_seq_len, float scale, int64_t window, int num_threads) {
+    return paged_decode_q8(q, k_cache, v_cache, block_table, seq_lens, out, num_seqs, num_heads,
+                           num_kv_heads, head_dim, block_size, max_blocks, max_seq_len, scale,
+                           window, num_threads, NULL);
+}
+
+/* fp8 e4m3 codes, decoded through `lut` (256 floats, indexed by the code byte). */
+int tandem_paged_decode_fp8(const float *q, const uint8_t *k_cache, const uint8_t *v_cache,
+                            const int64_t *block_table, const int64_t *seq_lens, float *out,
+                            int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads,
+                            int64_t head_dim, int64_t block_size, int64_t max_blocks,
+                            int64_t max_seq_len, float scale, int64_t window, int num_threads,
+                            const float *lut) {
+    return paged_decode_q8(q, k_cache, v_cache, block_table, seq_lens, out, num_seqs, num_heads,
+                           num_kv_heads, head_dim, block_size, max_blocks, max_seq_len, scale,
+                           window, num_threads, lut);
+}
+
+/* ---------------------------------------------------------------------------------------
  * A whole Llama-family forward for a few tokens, one token ("row") at a time, float32.
  *
  * For small models at small batch a step is mostly per-operator overhead (a dozen torch
