@@ -14,7 +14,14 @@ from tandem.cli.main import main as tandem_main
 from tandem.engine import LLM, SamplingParams
 from tandem.engine.config import EngineConfig
 from tandem.engine.llm_engine import LLMEngine
-from tandem.engine.quantization.kernels import ISA_ENV, quant_kernels, select_isa, supported_isas
+from tandem.engine.quantization import kernels as kernels_module
+from tandem.engine.quantization.kernels import (
+    ISA_ENV,
+    Isa,
+    quant_kernels,
+    select_isa,
+    supported_isas,
+)
 from tandem.engine.quantization.linear import MAX_KERNEL_ROWS, QuantizedLinear
 from tandem.engine.quantization.scheme import (
     QuantizationConfig,
@@ -76,6 +83,18 @@ def test_int4_packing_round_trips_and_pads_the_last_block() -> None:
 # --- the kernels -----------------------------------------------------------------------
 
 
+def _int8_groups(x: torch.Tensor, group: int) -> torch.Tensor:
+    """``x`` as the int4 kernel sees it: each row's groups of ``group`` inputs rounded to
+    255 levels of their ``max|x| / 127`` (int4 weights multiply int8 activations; per
+    group, so a row-parallel slice of whole groups rounds as the whole row would)."""
+    parts = []
+    for part in x.split(group, dim=1):
+        amax = part.abs().amax(dim=1, keepdim=True)
+        inv = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
+        parts.append(torch.round(part * inv) * (amax / 127.0))
+    return torch.cat(parts, dim=1)
+
+
 @pytest.fixture(params=[isa.value for isa in supported_isas()])
 def kernels(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch):
     monkeypatch.setenv(ISA_ENV, request.param)
@@ -94,10 +113,32 @@ def test_kernels_equal_dequantize_then_matmul(kernels, m: int, n: int, k: int) -
         q4 = quantize_int4(w, group)
         reference = dequantize(q4, QuantMethod.INT4, group)
         got = kernels.int4_matmul(x, q4.qweight, q4.scales, q4.zeros, group, None)
-        torch.testing.assert_close(got, x @ reference.T, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(got, _int8_groups(x, group) @ reference.T, rtol=1e-4, atol=1e-4)
         assert torch.equal(
             kernels.int4_dequantize(q4.qweight, q4.scales, q4.zeros, group, k), reference
         )
+
+
+@pytest.mark.parametrize("group", [32, 64, 128])
+@pytest.mark.parametrize("k", [32, 64, 96, 260, 300])
+def test_kernels_cover_their_blocking_and_a_zero_row(kernels, k: int, group: int) -> None:
+    """int4 takes blocks of 32 inputs in pairs (two pairs at a time, then a leftover pair,
+    then a lone block: k = 32 ... 300 reach each) and a pair may span two groups of 32;
+    int8 takes four vectors at a time, then single vectors, then a scalar tail; rows go
+    four at a time,
+    then one by one; an all-zero row has no activation scale."""
+    w, x = _weight(24, k, seed=k + group), torch.randn(5, k)
+    x[2] = 0.0
+    q = quantize_int4(w, group)
+    got = kernels.int4_matmul(x, q.qweight, q.scales, q.zeros, group, None)
+    expected = _int8_groups(x, group) @ dequantize(q, QuantMethod.INT4, group).T
+    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
+    assert (got[2] == 0).all()
+    q8 = quantize_int8(w[:, : k - group // 32])  # k - 1, - 2, - 4: partial vectors
+    got = kernels.int8_matmul(x[:, : k - group // 32].contiguous(), q8.qweight, q8.scales, None)
+    expected = x[:, : k - group // 32] @ dequantize(q8, QuantMethod.INT8, 0).T
+    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
+    assert (got[2] == 0).all()
 
 
 def test_a_rows_result_depends_on_neither_its_batch_nor_the_threads(kernels) -> None:
@@ -129,7 +170,10 @@ def test_quantized_linear_takes_the_gemm_path_beyond_the_kernel_rows(kernels, me
     reference = dequantize(weight, method, 32)
     for rows in (1, MAX_KERNEL_ROWS, MAX_KERNEL_ROWS + 1, 40):
         x = torch.randn(rows, 70)
-        expected = torch.nn.functional.linear(x, reference, linear.bias.detach())
+        fused = method is QuantMethod.INT4 and rows <= MAX_KERNEL_ROWS
+        expected = torch.nn.functional.linear(
+            _int8_groups(x, 32) if fused else x, reference, linear.bias.detach()
+        )
         torch.testing.assert_close(layer(x), expected, rtol=1e-4, atol=1e-4)
 
 
@@ -137,6 +181,15 @@ def test_an_unknown_or_missing_isa_is_refused_by_name(monkeypatch: pytest.Monkey
     monkeypatch.setenv(ISA_ENV, "sse9")
     with pytest.raises(ValueError, match="TANDEM_CPU_ISA must be one of avx512, avx2, portable"):
         select_isa()
+
+
+def test_avx512_without_vnni_gets_the_avx2_build(monkeypatch: pytest.MonkeyPatch) -> None:
+    flags = frozenset({"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx2", "fma"})
+    monkeypatch.setattr(kernels_module, "cpu_flags", lambda: flags)
+    monkeypatch.setattr(kernels_module.platform, "machine", lambda: "x86_64")
+    monkeypatch.delenv(ISA_ENV, raising=False)
+    assert select_isa() is Isa.AVX2
+    assert supported_isas() == [Isa.AVX2, Isa.PORTABLE]
 
 
 # --- the engine ------------------------------------------------------------------------

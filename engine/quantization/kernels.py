@@ -2,12 +2,13 @@
 
 The source is compiled with the system C compiler on first use into the user cache (next
 to the paged-attention kernel's build), once per instruction set: ``avx512``
-(``-mavx512f -mavx512bw ...``), ``avx2`` (``-mavx2 -mfma``) and ``portable`` (no ``-m``
-flag: GCC's generic vectors). ``select_isa`` picks the best one the CPU's flags allow,
-once at start-up; ``TANDEM_CPU_ISA=avx512|avx2|portable`` forces one (refused, by name,
-when the CPU lacks it). Like the attention kernel the library links OpenMP by soname, so
-it shares torch's thread pool; callers pass ``torch.get_num_threads()``, which the
-engine's ``num_threads`` sets.
+(``-mavx512f -mavx512bw ... -mavx512vnni``; a CPU without VNNI gets ``avx2``), ``avx2``
+(``-mavx2 -mfma``) and ``portable`` (no ``-m`` flag: GCC's generic vectors).
+``select_isa`` picks the best one the CPU's flags allow, once at start-up;
+``TANDEM_CPU_ISA=avx512|avx2|portable`` forces one (refused, by name, when the CPU lacks
+it). Like the attention kernel the library links OpenMP by soname, so it shares torch's
+thread pool; callers pass ``torch.get_num_threads()``, which the engine's ``num_threads``
+sets.
 """
 
 from __future__ import annotations
@@ -39,12 +40,22 @@ class Isa(enum.Enum):
 
 
 _ISA_FLAGS: dict[Isa, tuple[str, ...]] = {
-    Isa.AVX512: ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx2", "-mfma"),
+    Isa.AVX512: (
+        "-mavx512f",
+        "-mavx512bw",
+        "-mavx512vl",
+        "-mavx512dq",
+        "-mavx512vnni",
+        "-mavx2",
+        "-mfma",
+    ),
     Isa.AVX2: ("-mavx2", "-mfma"),
     Isa.PORTABLE: (),
 }
 _CPU_FLAGS_NEEDED: dict[Isa, frozenset[str]] = {
-    Isa.AVX512: frozenset({"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx2", "fma"}),
+    Isa.AVX512: frozenset(
+        {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni", "avx2", "fma"}
+    ),
     Isa.AVX2: frozenset({"avx2", "fma"}),
     Isa.PORTABLE: frozenset(),
 }

@@ -7,23 +7,25 @@
  *
  * int4 packing: each row is cut into blocks of 32 inputs stored in 16 bytes; byte b of a
  * block holds input b in its low nibble and input b + 16 in its high nibble (the last
- * block is zero-padded). One vector load of bytes then widens to two vectors of
- * consecutive inputs with an AND and a shift, no shuffles.
+ * block is zero-padded).
  *
- * The int4 sum is taken per group as s * (q . x - z * sum(x)), so the zero point costs
- * one multiply per group, not one per weight.
+ * int8 multiplies float activations (each weight widened to float, FMAs). int4 rounds
+ * each row of activations to int8 first and multiplies integers (see tandem_int4_matmul):
+ * the float path spent more on unpacking and converting nibbles than int8 did on its
+ * bytes, so halving the weight bytes bought nothing.
  *
- * Compiled once per instruction set (see kernels.py): with -mavx512f.. the vector type is
- * 16 floats, with -mavx2 8, otherwise GCC's generic vector extension of 4 floats, which
- * needs no intrinsics at all. Every output is computed by one thread in a fixed order
- * whatever the thread count or the number of rows, so results do not depend on either.
- * OpenMP splits the output channels.
+ * Compiled once per instruction set (see kernels.py): with -mavx512f.. -mavx512vnni the
+ * vector type is 16 floats, with -mavx2 8, otherwise GCC's generic vector extension of 4
+ * floats, which needs no intrinsics at all. Every output is computed by one thread in a
+ * fixed order whatever the thread count or the number of rows, so results do not depend
+ * on either. OpenMP splits the output channels.
  */
+#include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
-#if defined(__AVX512F__) && defined(__AVX512BW__)
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
 #include <immintrin.h>
 #define VL 16
 #define ISA_NAME "avx512"
@@ -36,12 +38,6 @@ static inline vf vadd(vf a, vf b) { return _mm512_add_ps(a, b); }
 static inline float vsum(vf a) { return _mm512_reduce_add_ps(a); }
 static inline vf vint8(const int8_t *p) {
     return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
-}
-/* VL bytes -> the low nibbles and the high nibbles, as floats. */
-static inline void vnibbles(const uint8_t *p, vf *lo, vf *hi) {
-    __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p));
-    *lo = _mm512_cvtepi32_ps(_mm512_and_si512(b, _mm512_set1_epi32(15)));
-    *hi = _mm512_cvtepi32_ps(_mm512_srli_epi32(b, 4));
 }
 #elif defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
@@ -62,18 +58,11 @@ static inline float vsum(vf a) {
 static inline vf vint8(const int8_t *p) {
     return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
 }
-static inline void vnibbles(const uint8_t *p, vf *lo, vf *hi) {
-    __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p));
-    *lo = _mm256_cvtepi32_ps(_mm256_and_si256(b, _mm256_set1_epi32(15)));
-    *hi = _mm256_cvtepi32_ps(_mm256_srli_epi32(b, 4));
-}
 #else
 #define VL 4
 #define ISA_NAME "portable"
 typedef float vf __attribute__((vector_size(16)));
-typedef int32_t vi __attribute__((vector_size(16)));
 typedef int8_t vi8 __attribute__((vector_size(4)));
-typedef uint8_t vu8 __attribute__((vector_size(4)));
 static inline vf vzero(void) { return (vf){0, 0, 0, 0}; }
 static inline vf vload(const float *p) { vf v; memcpy(&v, p, sizeof v); return v; }
 static inline vf vset1(float a) { return (vf){a, a, a, a}; }
@@ -84,13 +73,6 @@ static inline vf vint8(const int8_t *p) {
     vi8 v;
     memcpy(&v, p, sizeof v);
     return __builtin_convertvector(v, vf);
-}
-static inline void vnibbles(const uint8_t *p, vf *lo, vf *hi) {
-    vu8 v;
-    memcpy(&v, p, sizeof v);
-    vi b = __builtin_convertvector(v, vi);
-    *lo = __builtin_convertvector(b & 15, vf);
-    *hi = __builtin_convertvector(b >> 4, vf);
 }
 #endif
 
@@ -106,28 +88,33 @@ static inline int nibble(const uint8_t *row, int64_t i) {
 }
 
 /* out[r] = sum_i w[i] * x[r * ldx + i] for r < rows (rows a compile-time constant after
- * inlining). Two accumulators per row, alternating vectors, then the scalar tail: the
- * same order for any `rows`, so a row's result does not depend on its batch. */
+ * inlining). Four accumulators per row, taking vectors in turn (four FMA chains in flight:
+ * with one row, two chains left the loop waiting on FMA latency), then the remaining
+ * whole vectors into the first ones, then the scalar tail: the same order for any
+ * `rows`, so a row's result does not depend on its batch. */
 static inline __attribute__((always_inline)) void int8_dots(const int8_t *w, const float *x,
                                                              int64_t ldx, int64_t k, int rows,
                                                              float *out) {
-    vf a0[ROWS], a1[ROWS];
-    for (int r = 0; r < rows; r++) a0[r] = a1[r] = vzero();
+    vf a0[ROWS], a1[ROWS], a2[ROWS], a3[ROWS];
+    for (int r = 0; r < rows; r++) a0[r] = a1[r] = a2[r] = a3[r] = vzero();
     int64_t i = 0;
-    for (; i + 2 * VL <= k; i += 2 * VL) {
+    for (; i + 4 * VL <= k; i += 4 * VL) {
         vf w0 = vint8(w + i), w1 = vint8(w + i + VL);
+        vf w2 = vint8(w + i + 2 * VL), w3 = vint8(w + i + 3 * VL);
         for (int r = 0; r < rows; r++) {
-            a0[r] = vfma(w0, vload(x + r * ldx + i), a0[r]);
-            a1[r] = vfma(w1, vload(x + r * ldx + i + VL), a1[r]);
+            const float *xr = x + r * ldx + i;
+            a0[r] = vfma(w0, vload(xr), a0[r]);
+            a1[r] = vfma(w1, vload(xr + VL), a1[r]);
+            a2[r] = vfma(w2, vload(xr + 2 * VL), a2[r]);
+            a3[r] = vfma(w3, vload(xr + 3 * VL), a3[r]);
         }
     }
-    if (i + VL <= k) {
+    for (; i + VL <= k; i += VL) {
         vf w0 = vint8(w + i);
         for (int r = 0; r < rows; r++) a0[r] = vfma(w0, vload(x + r * ldx + i), a0[r]);
-        i += VL;
     }
     for (int r = 0; r < rows; r++) {
-        float acc = vsum(vadd(a0[r], a1[r]));
+        float acc = vsum(vadd(vadd(a0[r], a1[r]), vadd(a2[r], a3[r])));
         for (int64_t t = i; t < k; t++) acc += (float)w[t] * x[r * ldx + t];
         out[r] = acc;
     }
@@ -153,67 +140,212 @@ int tandem_int8_matmul(const float *x, int64_t m, int64_t k, const int8_t *q,
     return 0;
 }
 
-/* out[r] = sum_g s[g] * (q_g . x_r,g - z[g] * xsum[r, g]) for one packed int4 row. */
-static inline __attribute__((always_inline)) void int4_dots(
-    const uint8_t *w, const float *s, const uint8_t *z, const float *x, int64_t ldx,
-    const float *xsum, int64_t groups, int64_t k, int64_t group, int rows, float *out) {
-    vf total[ROWS];
-    float offset[ROWS];
-    for (int r = 0; r < rows; r++) total[r] = vzero(), offset[r] = 0.0f;
-    for (int64_t g = 0; g < groups; g++) {
-        int64_t lo = g * group, hi = lo + group < k ? lo + group : k, i = lo;
-        vf a0[ROWS], a1[ROWS];
-        for (int r = 0; r < rows; r++) a0[r] = a1[r] = vzero();
-        for (; i + BLOCK <= hi; i += BLOCK) {
-            const uint8_t *p = w + i / 2;
-            for (int b = 0; b < BLOCK / 2; b += VL) {
-                vf l, h;
-                vnibbles(p + b, &l, &h);
-                for (int r = 0; r < rows; r++) {
-                    a0[r] = vfma(l, vload(x + r * ldx + i + b), a0[r]);
-                    a1[r] = vfma(h, vload(x + r * ldx + i + BLOCK / 2 + b), a1[r]);
-                }
-            }
-        }
-        vf scale = vset1(s[g]);
-        for (int r = 0; r < rows; r++) {
-            float tail = 0.0f;
-            for (int64_t t = i; t < hi; t++) tail += (float)nibble(w, t) * x[r * ldx + t];
-            total[r] = vfma(scale, vadd(a0[r], a1[r]), total[r]);
-            offset[r] += s[g] * (tail - (float)z[g] * xsum[r * groups + g]);
+/* int4 products take int8 activations. Each group of each row of x is quantized
+ * symmetrically once per call, x ~ sx * xq with sx = max|x| / 127 over the group and
+ * xq = round(x / sx) in [-127, 127] (per row, so a row's result does not depend on its
+ * batch; per group, so a row-parallel slice of whole groups rounds as the whole row
+ * would), and a block's sum becomes an exact integer dot product of 4-bit weights and
+ * 8-bit activations:
+ *
+ *   y[r, j] = sum_b s[g] * sx[r, g] * dot_b  -  sum_g s[g] * z[g] * sx[r, g] * xqsum[r, g]
+ *             + bias[j]                                           (g the group of block b)
+ *
+ * with dot_b = sum_{i in block b} q[i] * xq[r, i] and xqsum[r, g] = sum_{i in g} xq[r, i].
+ * One integer instruction takes 64 (AVX-512 VNNI vpdpbusd) or 32 (AVX2 vpmaddubsw)
+ * products, where the float path took 16 or 8 after converting every weight to float.
+ * The blocks are taken in pairs (a 64-input chunk), and each row of xq is zero-padded to
+ * whole chunks, so a partial last block needs no scalar tail (its padding nibbles are 0). */
+#define CHUNK 64
+
+#if defined(__AVX512VNNI__)
+/* A chunk's 32 packed bytes become one 64-byte vector: the bytes, then the bytes shifted
+ * down a nibble, masked to 4 bits. Byte lanes 0-15 then hold inputs 0-15, 16-31 inputs
+ * 32-47, 32-47 inputs 16-31, 48-63 inputs 48-63; xq is stored in that order
+ * (act_position). int32 lanes 0-3 and 8-11 sum block 0, 4-7 and 12-15 block 1, hence
+ * the blended scale. Two float accumulators per row take chunks in turn. */
+static inline int64_t act_position(int64_t i) {
+    int64_t o = i % CHUNK;
+    return i - o + (o % 32) / 16 * 32 + o / 32 * 16 + o % 16;
+}
+static inline __attribute__((always_inline)) void int4_chunk(const uint8_t *w, int two,
+                                                              const int8_t *xq, int64_t ldxq,
+                                                              float s0, float s1,
+                                                              const float *sx0, const float *sx1,
+                                                              int64_t ldsx, int odd, int rows,
+                                                              vf *acc) {
+    __m256i b = two ? _mm256_loadu_si256((const __m256i *)w)
+                    : _mm256_zextsi128_si256(_mm_loadu_si128((const __m128i *)w));
+    __m512i v = _mm512_inserti64x4(_mm512_castsi256_si512(b), _mm256_srli_epi16(b, 4), 1);
+    v = _mm512_and_si512(v, _mm512_set1_epi8(15));
+    for (int r = 0; r < rows; r++) {
+        __m512 scale = sx0 == sx1 ? _mm512_set1_ps(s0 * sx0[r * ldsx])
+                                  : _mm512_mask_blend_ps(0xF0F0, _mm512_set1_ps(s0 * sx0[r * ldsx]),
+                                                         _mm512_set1_ps(s1 * sx1[r * ldsx]));
+        __m512i x = _mm512_loadu_si512((const void *)(xq + r * ldxq));
+        __m512i d = _mm512_dpbusd_epi32(_mm512_setzero_si512(), v, x);
+        acc[2 * r + odd] = vfma(_mm512_cvtepi32_ps(d), scale, acc[2 * r + odd]);
+    }
+}
+#elif defined(__AVX2__)
+/* A block's 16 packed bytes become 32 bytes in input order (low nibbles are inputs 0-15,
+ * high 16-31), so xq keeps its natural order. vpmaddubsw multiplies the unsigned weight
+ * bytes by the signed activation bytes and adds pairs into int16 (at most 2 * 15 * 127,
+ * no saturation); vpmaddwd by ones widens to int32. A chunk within one group adds its two
+ * blocks' pairs before widening and goes to a row's accumulator of its parity; across two
+ * groups (of 32), block 0 goes to the first accumulator, block 1 to the second. */
+static inline int64_t act_position(int64_t i) { return i; }
+static inline __m256i block_weights(const uint8_t *w) {
+    __m128i b = _mm_loadu_si128((const __m128i *)w);
+    return _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(b, 4), b), _mm256_set1_epi8(15));
+}
+static inline __m256i block_pairs(__m256i v, const int8_t *xq) {
+    return _mm256_maddubs_epi16(v, _mm256_loadu_si256((const __m256i *)xq));
+}
+static inline __m256 widen(__m256i pairs) {
+    return _mm256_cvtepi32_ps(_mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
+}
+static inline __attribute__((always_inline)) void int4_chunk(const uint8_t *w, int two,
+                                                              const int8_t *xq, int64_t ldxq,
+                                                              float s0, float s1,
+                                                              const float *sx0, const float *sx1,
+                                                              int64_t ldsx, int odd, int rows,
+                                                              vf *acc) {
+    __m256i v0 = block_weights(w), v1 = two ? block_weights(w + BLOCK / 2) : v0;
+    for (int r = 0; r < rows; r++) {
+        const int8_t *x = xq + r * ldxq;
+        if (two && sx0 == sx1) { /* one group: the int16 pairs add (at most 4 * 15 * 127) */
+            __m256i p = _mm256_add_epi16(block_pairs(v0, x), block_pairs(v1, x + BLOCK));
+            acc[2 * r + odd] = vfma(widen(p), vset1(s0 * sx0[r * ldsx]), acc[2 * r + odd]);
+        } else {
+            acc[2 * r] = vfma(widen(block_pairs(v0, x)), vset1(s0 * sx0[r * ldsx]), acc[2 * r]);
+            if (two)
+                acc[2 * r + 1] = vfma(widen(block_pairs(v1, x + BLOCK)),
+                                      vset1(s1 * sx1[r * ldsx]), acc[2 * r + 1]);
         }
     }
-    for (int r = 0; r < rows; r++) out[r] = vsum(total[r]) + offset[r];
+}
+#else
+/* Plain C, the same sums: each block's integer dot product, then scaled. */
+static inline int64_t act_position(int64_t i) { return i; }
+static inline int32_t block_dot(const uint8_t *w, const int8_t *xq) {
+    int32_t dot = 0;
+    for (int b = 0; b < BLOCK / 2; b++)
+        dot += (w[b] & 15) * xq[b] + (w[b] >> 4) * xq[b + BLOCK / 2];
+    return dot;
+}
+static inline void int4_chunk(const uint8_t *w, int two, const int8_t *xq, int64_t ldxq,
+                              float s0, float s1, const float *sx0, const float *sx1,
+                              int64_t ldsx, int odd, int rows, vf *acc) {
+    (void)odd;
+    for (int r = 0; r < rows; r++) {
+        acc[2 * r][0] += s0 * sx0[r * ldsx] * (float)block_dot(w, xq + r * ldxq);
+        if (two)
+            acc[2 * r + 1][0] +=
+                s1 * sx1[r * ldsx] * (float)block_dot(w + BLOCK / 2, xq + r * ldxq + BLOCK);
+    }
+}
+#endif
+
+/* out[r] = sum_b s[g(b)] * sx[r, g(b)] * dot_b for one packed int4 row and `rows` rows of
+ * xq; block b is in group g(b) = b >> block_shift (groups are 32, 64 or 128 inputs: a
+ * shift, not a division, which cost more than the products). */
+static inline __attribute__((always_inline)) void int4_dots(const uint8_t *w, const float *s,
+                                                             int64_t blocks, int block_shift,
+                                                             const int8_t *xq, int64_t ldxq,
+                                                             const float *sx, int64_t ldsx,
+                                                             int rows, float *out) {
+    vf acc[2 * ROWS];
+    for (int t = 0; t < 2 * rows; t++) acc[t] = vzero();
+    /* whole chunks two at a time (the accumulator index must be a constant to stay in a
+     * register), then a whole chunk left over, then a lone last block */
+    int64_t whole = blocks / 2, c = 0;
+#define CHUNK_AT(c, two, odd)                                                                \
+    do {                                                                                     \
+        int64_t g0 = (2 * (c)) >> block_shift, g1 = two ? (2 * (c) + 1) >> block_shift : g0; \
+        int4_chunk(w + (c) * BLOCK, two, xq + (c) * CHUNK, ldxq, s[g0], s[g1], sx + g0,      \
+                   sx + g1, ldsx, odd, rows, acc);                                           \
+    } while (0)
+    for (; c + 2 <= whole; c += 2) {
+        CHUNK_AT(c, 1, 0);
+        CHUNK_AT(c + 1, 1, 1);
+    }
+    if (c < whole) {
+        CHUNK_AT(c, 1, 0);
+        c++;
+    }
+    if (blocks % 2) CHUNK_AT(c, 0, 0);
+#undef CHUNK_AT
+    for (int r = 0; r < rows; r++) out[r] = vsum(vadd(acc[2 * r], acc[2 * r + 1]));
+}
+
+/* xq[r] (act_position order, zero-padded to `padded`), sx[r, g] and
+ * xqsum[r, g] = sx[r, g] * (the sum of xq over group g), for each row of x. */
+static void quantize_rows(const float *x, int64_t m, int64_t k, int64_t padded, int64_t group,
+                          int64_t groups, int8_t *xq, float *sx, float *xqsum) {
+    memset(xq, 0, (size_t)(m * padded));
+    for (int64_t r = 0; r < m; r++)
+        for (int64_t g = 0; g < groups; g++) {
+            const float *xg = x + r * k + g * group;
+            int64_t size = k - g * group < group ? k - g * group : group;
+            float amax = 0.0f, sum = 0.0f;
+            for (int64_t i = 0; i < size; i++) amax = fmaxf(amax, fabsf(xg[i]));
+            float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+            for (int64_t i = 0; i < size; i++) {
+                float v = nearbyintf(xg[i] * inv);
+                xq[r * padded + act_position(g * group + i)] = (int8_t)v;
+                sum += v;
+            }
+            sx[r * groups + g] = amax / 127.0f;
+            xqsum[r * groups + g] = sx[r * groups + g] * sum;
+        }
+}
+
+/* sum_g s[g] * z[g] * xqsum[g]: the zero points' share of one output, one product per
+ * group, in four independent sums (one chain of dependent adds was as slow as the
+ * products for K = 3072). */
+static inline float zero_share(const float *s, const uint8_t *z, const float *xqsum,
+                               int64_t groups) {
+    float part[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    int64_t g = 0;
+    for (; g + 4 <= groups; g += 4)
+        for (int t = 0; t < 4; t++) part[t] += s[g + t] * (float)z[g + t] * xqsum[g + t];
+    for (; g < groups; g++) part[0] += s[g] * (float)z[g] * xqsum[g];
+    return (part[0] + part[1]) + (part[2] + part[3]);
 }
 
 int tandem_int4_matmul(const float *x, int64_t m, int64_t k, const uint8_t *q,
                        const float *scales, const uint8_t *zeros, int64_t group,
                        const float *bias, float *y, int64_t n, int num_threads) {
-    int64_t groups = (k + group - 1) / group, row_bytes = (k + BLOCK - 1) / BLOCK * (BLOCK / 2);
-    float *xsum = malloc((size_t)(m * groups) * sizeof(float));
-    if (xsum == NULL) return -1;
-    for (int64_t r = 0; r < m; r++)
-        for (int64_t g = 0; g < groups; g++) {
-            float acc = 0.0f;
-            for (int64_t i = g * group; i < k && i < (g + 1) * group; i++) acc += x[r * k + i];
-            xsum[r * groups + g] = acc;
-        }
+    int64_t groups = (k + group - 1) / group, blocks = (k + BLOCK - 1) / BLOCK;
+    int64_t row_bytes = blocks * (BLOCK / 2), padded = (blocks + 1) / 2 * CHUNK;
+    float *sx = malloc((size_t)(2 * m * groups) * sizeof(float));
+    int8_t *xq = malloc((size_t)(m * padded));
+    if (sx == NULL || xq == NULL) {
+        free(sx), free(xq);
+        return -1;
+    }
+    float *xqsum = sx + m * groups;
+    int block_shift = __builtin_ctzll((unsigned long long)group) - 5;
+    quantize_rows(x, m, k, padded, group, groups, xq, sx, xqsum);
 #pragma omp parallel for num_threads(num_threads) if (m * n * k >= PARALLEL_MACS) schedule(static)
     for (int64_t j = 0; j < n; j++) {
         const uint8_t *w = q + j * row_bytes, *z = zeros + j * groups;
         const float *s = scales + j * groups;
         float b = bias ? bias[j] : 0.0f, dots[ROWS];
-        int64_t r = 0;
-        for (; r + ROWS <= m; r += ROWS) {
-            int4_dots(w, s, z, x + r * k, k, xsum + r * groups, groups, k, group, ROWS, dots);
-            for (int t = 0; t < ROWS; t++) y[(r + t) * n + j] = dots[t] + b;
-        }
-        for (; r < m; r++) {
-            int4_dots(w, s, z, x + r * k, k, xsum + r * groups, groups, k, group, 1, dots);
-            y[r * n + j] = dots[0] + b;
+        for (int64_t r = 0; r < m;) {
+            int rows = m - r >= ROWS ? ROWS : 1;
+            if (rows == ROWS)
+                int4_dots(w, s, blocks, block_shift, xq + r * padded, padded,
+                          sx + r * groups, groups, ROWS, dots);
+            else
+                int4_dots(w, s, blocks, block_shift, xq + r * padded, padded,
+                          sx + r * groups, groups, 1, dots);
+            for (int t = 0; t < rows; t++, r++) {
+                y[r * n + j] = dots[t] - zero_share(s, z, xqsum + r * groups, groups) + b;
+            }
         }
     }
-    free(xsum);
+    free(sx), free(xq);
     return 0;
 }
 
