@@ -64,6 +64,7 @@ PLANNER = {
         "tpotP99Seconds": 0.05,
         "decode": {"minReplicas": 2, "maxReplicas": 6},
         "leadTimeSeconds": 180,
+        "tolerance": 0.3,
         "podDeletionCost": True,
     },
     "decode": {"replicas": 2},
@@ -415,6 +416,7 @@ def test_the_planner_runs_the_kubernetes_actuator_with_the_slo_knobs(tmp_path: P
     assert args.pod_deletion_cost and args.metrics_port == 9400 and args.host == "0.0.0.0"
     config = planner_config(args)
     assert (config.ttft_p99_s, config.tpot_p99_s, config.lead_s) == (1.5, 0.05, 180)
+    assert (config.tolerance, config.surge) == (0.3, 0.25)
     assert (config.decode.min_replicas, config.decode.max_replicas) == (2, 6)
     assert (config.prefill.min_replicas, config.prefill.max_replicas) == (1, 8)
     # The planner owns the worker counts: a `helm upgrade` must not reset them.

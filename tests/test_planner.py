@@ -139,6 +139,50 @@ def test_a_falling_load_never_forecasts_below_zero() -> None:
         assert forecast.level >= 0.0
 
 
+def test_a_step_in_load_is_answered_within_one_round_when_the_slo_is_broken() -> None:
+    """Steady at 5,000 prompt tokens/s on 2 replicas of 3,500 (5,000 at 0.7 busy), then
+    one interval of 20,000 with the TTFT broken: 6 replicas at once, where smoothing in
+    the step (0.3 x 20,000 + 0.7 x 5,000 = 9,500) would have asked for 3."""
+    config = PlannerConfig(
+        prefill=PoolBounds(1, 16), prefill_tokens_per_s=5_000, lead_s=10, surge=math.inf
+    )
+    model = CapacityModel(config)
+    for _ in range(10):
+        model.observe(interval(prompt_rate=5_000, prefill_tps=5_000, replicas=(2, 1)))
+    step = interval(prompt_rate=20_000, ttft=4.0, prefill_tps=5_000, replicas=(2, 1))
+    model.observe(step)
+    prefill, _ = model.estimate(step)
+    assert prefill.slo_broken and prefill.wanted == prefill.load_wanted == 6
+    assert model.prefill_load.level == pytest.approx(9_500)  # the forecast itself lags
+
+
+def test_a_surge_restarts_the_forecast_and_noise_is_smoothed() -> None:
+    forecast = Forecast(0.3, surge=0.25)
+    forecast.observe(100.0, 10.0)
+    forecast.observe(120.0, 10.0)  # within the surge margin: smoothed in
+    assert forecast.level == pytest.approx(106.0)
+    forecast.observe(400.0, 10.0)  # a step: taken as it is
+    assert forecast.level == 400.0 and forecast.latest == 400.0
+
+
+def test_noise_within_the_tolerance_does_not_grow_a_pool() -> None:
+    """3 replicas carry 3 x 3,500 = 10,500 tokens/s at the target: 8% more keeps 3 (a
+    ceil() would ask for 4), 15% more asks for 4; shrinking is not held back."""
+    config = PlannerConfig(
+        prefill=PoolBounds(1, 16), prefill_tokens_per_s=5_000, smoothing=1.0, tolerance=0.1
+    )
+
+    def wanted(rate: float) -> int:
+        model = CapacityModel(config)
+        s = interval(prompt_rate=rate, prefill_tps=5_000, replicas=(3, 1))
+        model.observe(s)
+        return model.estimate(s)[0].wanted
+
+    assert wanted(10_500 * 1.08) == 3
+    assert wanted(10_500 * 1.15) == 4
+    assert wanted(10_500 * 0.6) == 2
+
+
 class Clock:
     def __init__(self) -> None:
         self.now = 1000.0
@@ -179,6 +223,19 @@ def test_the_decider_steps_up_fast_and_down_slowly() -> None:
     assert decider.decide(estimate(5, 2)).target == 5  # lower wanted: timer starts now
     clock.now += 61
     assert decider.decide(estimate(5, 2)).target == 4
+
+
+def test_the_up_cooldown_holds_back_the_slo_guard_only() -> None:
+    """Within the up-cooldown, a count the load asks for is acted on (it does not depend
+    on the last change), the guard's extra replica waits."""
+    clock = Clock()
+    decider = Decider(PlannerConfig(scale_up_cooldown_s=30, max_step_up=4), clock)
+    assert decider.decide(estimate(2, 4)).target == 4
+    clock.now += 10
+    guard = Estimate("decode", 4, 5, 0.0, 0.0, None, True, load_wanted=4)
+    assert decider.decide(guard).target == 4  # +1 for a broken SLO: cooldown
+    grown = Estimate("decode", 4, 8, 0.0, 0.0, None, True, load_wanted=7)
+    assert decider.decide(grown).target == 7  # the load's own count: at once
 
 
 def test_bounds_are_kept() -> None:

@@ -24,6 +24,13 @@ nothing is random here (the simulation draws the requests, seeded).
 * ``bursts`` (held out, added after the planner's changes) — 8 h at 10 req/s with three
   3x bursts of 5 minutes (up over a minute in 15 s steps) at 1:00, 3:30 and 6:00, and the
   mix turning from 3,000 / 400 to 5,000 / 200 tokens at 4:00.
+* ``weekly`` (held out, added after the second round of planner changes) — a week
+  compressed into 14 h, 2 h a day at 5-minute steps: five weekdays peaking at 18 req/s
+  (the peak one day later in the "day" each time), a weekend peaking at 7; 2,500 / 300
+  tokens on weekdays, 1,500 / 500 at the weekend.
+* ``sawtooth`` (held out, added after the second round of planner changes) — 6 h of
+  ramps from 4 to 24 req/s over 20 minutes at 1-minute steps, each ending with a drop
+  straight back to 4; 1,500 / 350 tokens.
 """
 
 from __future__ import annotations
@@ -154,6 +161,28 @@ def bursts() -> list[Row]:
     return rows
 
 
+def weekly() -> list[Row]:
+    day_s = 2 * 3600
+
+    def shape(t: float) -> tuple[float, float, float]:
+        day, phase = divmod(t / day_s, 1.0)
+        if day >= 5:  # the weekend: lower, later, longer answers
+            return round(2 + 5 * math.sin(math.pi * phase) ** 2, 3), 1500, 500
+        centre = 0.45 + 0.05 * day
+        peak = math.exp(-(((phase - centre) / 0.18) ** 2))
+        return round(2 + 16 * peak, 3), 2500, 300
+
+    return sampled(7 * day_s, 300, shape)
+
+
+def sawtooth() -> list[Row]:
+    def shape(t: float) -> tuple[float, float, float]:
+        into = (t % 1200) / 1200  # 20-minute teeth
+        return round(4 + 20 * into, 3), 1500, 350
+
+    return sampled(6 * 3600, 60, shape)
+
+
 TRACES: dict[str, Callable[[], list[Row]]] = {
     "diurnal_burst": diurnal_burst,
     "slow_ramp": slow_ramp,
@@ -161,6 +190,8 @@ TRACES: dict[str, Callable[[], list[Row]]] = {
     "flat_spike": flat_spike,
     "business_day": business_day,
     "bursts": bursts,
+    "weekly": weekly,
+    "sawtooth": sawtooth,
 }
 
 

@@ -52,6 +52,18 @@ def add_planner_options(parser: argparse.ArgumentParser) -> None:
         default=0.7,
         help="plan prefill replicas to be busy this share of the time (0-1]",
     )
+    g.add_argument(
+        "--tolerance",
+        type=float,
+        default=0.2,
+        help="do not grow a pool whose load needs at most this share more than it carries",
+    )
+    g.add_argument(
+        "--surge",
+        type=float,
+        default=0.25,
+        help="a load above the forecast by more than this share is a step: size on it at once",
+    )
 
 
 def planner_config(args: argparse.Namespace):
@@ -70,6 +82,8 @@ def planner_config(args: argparse.Namespace):
             scale_down_cooldown_s=args.scale_down_cooldown,
             down_stable_s=args.down_stable,
             max_step_up=args.max_step_up,
+            tolerance=args.tolerance,
+            surge=args.surge,
         )
     except ValueError as err:
         args.parser.error(str(err))

@@ -12,12 +12,18 @@ within the target, the output tokens per second a loaded replica makes times the
 over it, the sequences it runs now scaled by ``target / observed`` (this errs low, i.e.
 towards more replicas). Both forecasts add the load's rising trend over ``lead_s``
 (Holt's linear smoothing), because a replica takes minutes to start; a falling trend is
-ignored, so the pools shrink on what is, not on what may be. An SLO already broken adds a
-replica whatever the model says.
+ignored, so the pools shrink on what is, not on what may be. A step is not smoothed: an
+interval whose load exceeds the forecast by more than ``surge`` resets it, and while an
+SLO is broken the pool is sized on the larger of the forecast and the latest interval.
+An SLO already broken adds a replica whatever the model says. A pool whose load needs at
+most ``tolerance`` more than its replicas carry keeps its size (noise near a whole
+number of replicas must not add one).
 
 The decider moves at most ``max_step_up`` up at once, one down at a time, only after the
-lower count was wanted for ``down_stable_s``, and never within the cooldowns. Scaling
-down is always a drain (the actuator's job): no request is lost.
+lower count was wanted for ``down_stable_s``. The up-cooldown holds back only the SLO
+guard's extra replica (a reaction to the count as it is, which must first take effect);
+the count the load asks for is absolute, so it is acted on at once. Scaling down is
+always a drain (the actuator's job): no request is lost.
 """
 
 from __future__ import annotations
@@ -69,6 +75,11 @@ class PlannerConfig:
     """Prior for the sequences one decode replica holds at the TPOT target."""
     smoothing: float = 0.3
     """Weight of a new measurement in the calibration and the forecast (0-1]."""
+    tolerance: float = 0.2
+    """A pool is not grown while its load needs at most this share more than it carries."""
+    surge: float = 0.25
+    """An interval's load above the forecast by more than this share is a step: the
+    forecast restarts from it instead of smoothing it in."""
 
     def __post_init__(self) -> None:
         for name in ("ttft_p99_s", "tpot_p99_s", "lead_s"):
@@ -78,20 +89,27 @@ class PlannerConfig:
             raise ValueError(f"target_busy must be in (0, 1], got {self.target_busy}")
         if not 0 < self.smoothing <= 1:
             raise ValueError(f"smoothing must be in (0, 1], got {self.smoothing}")
+        for name in ("tolerance", "surge"):
+            if not getattr(self, name) >= 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         if self.max_step_up < 1:
             raise ValueError(f"max_step_up must be >= 1, got {self.max_step_up}")
 
 
 class Forecast:
-    """Holt's linear smoothing of one load signal: level and trend per second."""
+    """Holt's linear smoothing of one load signal: level and trend per second. A value
+    above the level by more than ``surge`` (a share of it) is a step: the level jumps to
+    it and the trend is kept (a step is not a slope). ``latest`` is the last value."""
 
-    def __init__(self, alpha: float) -> None:
-        self.alpha = alpha
+    def __init__(self, alpha: float, surge: float = math.inf) -> None:
+        self.alpha, self.surge = alpha, surge
         self.level: float | None = None
         self.trend = 0.0
+        self.latest = 0.0
 
     def observe(self, value: float, dt: float) -> None:
-        if self.level is None:
+        self.latest = value
+        if self.level is None or value > self.level * (1 + self.surge):
             self.level = value
             return
         previous = self.level
@@ -131,6 +149,9 @@ class Estimate:
     forecast: float
     capacity_per_replica: float | None
     slo_broken: bool
+    load_wanted: int = 0
+    """What the load alone asks for (``wanted`` less the SLO guard's extra replica): an
+    absolute count, which the up-cooldown does not hold back."""
 
 
 @dataclass(frozen=True)
@@ -153,8 +174,8 @@ class CapacityModel:
         a = config.smoothing
         self.prefill_tps = _Ewma(a, config.prefill_tokens_per_s)
         self.decode_seqs = _Ewma(a, config.decode_seqs_per_replica)
-        self.prefill_load = Forecast(a)
-        self.decode_load = Forecast(a)
+        self.prefill_load = Forecast(a, config.surge)
+        self.decode_load = Forecast(a, config.surge)
 
     def observe(self, s: Signals) -> None:
         c = self.config
@@ -191,45 +212,54 @@ class CapacityModel:
 
     def estimate(self, s: Signals) -> tuple[Estimate, Estimate]:
         c = self.config
-        lead = c.lead_s
-        prefill_forecast = self.prefill_load.ahead(lead)
-        tps = self.prefill_tps.value
-        prefill_wanted = (
-            math.ceil(prefill_forecast / (tps * c.target_busy))
-            if tps
-            else _uncalibrated(prefill_forecast, s.prefill.replicas)
-        )
         ttft_broken = s.ttft_p99 is not None and s.ttft_p99 > c.ttft_p99_s
+        tpot_broken = s.tpot_p99 is not None and s.tpot_p99 > c.tpot_p99_s
+        prefill_forecast = self._sized_load(self.prefill_load, ttft_broken)
+        tps = self.prefill_tps.value
+        prefill_per_replica = tps * c.target_busy if tps else None
+        prefill_for_load = self._replicas(prefill_forecast, prefill_per_replica, s.prefill.replicas)
         queued = s.prefill.queued_prefill_tokens
-        if ttft_broken and (queued > 0 or s.prefill.busy > c.target_busy):
+        if ttft_broken and prefill_per_replica and queued > 0:
             # The queue must be computed within the TTFT target, on top of what arrives:
             # after a step up in load, it is what the forecast has not caught up with.
-            drain = (
-                math.ceil((prefill_forecast + queued / c.ttft_p99_s) / (tps * c.target_busy))
-                if tps
-                else 0
-            )
-            prefill_wanted = max(prefill_wanted, drain, s.prefill.replicas + 1)
-        decode_forecast = self.decode_load.ahead(lead)
+            drain = prefill_forecast + queued / c.ttft_p99_s
+            prefill_for_load = max(prefill_for_load, math.ceil(drain / prefill_per_replica))
+        prefill_wanted = prefill_for_load
+        if ttft_broken and (queued > 0 or s.prefill.busy > c.target_busy):
+            prefill_wanted = max(prefill_for_load, s.prefill.replicas + 1)
+        decode_forecast = self._sized_load(self.decode_load, tpot_broken)
         seqs = self.decode_seqs.value
-        decode_wanted = (
-            math.ceil(decode_forecast / seqs)
-            if seqs
-            else _uncalibrated(decode_forecast, s.decode.replicas)
-        )
-        tpot_broken = s.tpot_p99 is not None and s.tpot_p99 > c.tpot_p99_s
+        decode_for_load = self._replicas(decode_forecast, seqs, s.decode.replicas)
+        decode_wanted = decode_for_load
         if tpot_broken:
-            decode_wanted = max(decode_wanted, s.decode.replicas + 1)
+            decode_wanted = max(decode_for_load, s.decode.replicas + 1)
         return (
             Estimate(
                 "prefill", s.prefill.replicas, c.prefill.clamp(prefill_wanted),
                 self.prefill_load.level or 0.0, prefill_forecast, tps, ttft_broken,
+                c.prefill.clamp(prefill_for_load),
             ),
             Estimate(
                 "decode", s.decode.replicas, c.decode.clamp(decode_wanted),
                 self.decode_load.level or 0.0, decode_forecast, seqs, tpot_broken,
+                c.decode.clamp(decode_for_load),
             ),
         )  # fmt: skip
+
+    def _sized_load(self, load: Forecast, slo_broken: bool) -> float:
+        """The load a pool is sized for: the forecast ``lead_s`` ahead, or, while its SLO
+        is broken, the latest interval's if more (the forecast still lags a step)."""
+        ahead = load.ahead(self.config.lead_s)
+        return max(ahead, load.latest) if slo_broken else ahead
+
+    def _replicas(self, load: float, per_replica: float | None, current: int) -> int:
+        """Replicas for ``load`` at ``per_replica`` each (``None``: not yet measured); a
+        pool short of it by no more than ``tolerance`` of what it carries keeps its size."""
+        if not per_replica:
+            return _uncalibrated(load, current)
+        needed = load / per_replica
+        within_tolerance = current < needed <= current * (1 + self.config.tolerance)
+        return current if within_tolerance else math.ceil(needed)
 
 
 def _uncalibrated(forecast: float, replicas: int) -> int:
@@ -255,7 +285,9 @@ class Decider:
         if wanted > current:
             self._lower_since.pop(pool, None)
             if since_change < c.scale_up_cooldown_s:
-                return self._keep(estimate, f"up-cooldown ({since_change:.0f} s)")
+                if estimate.load_wanted <= current:
+                    return self._keep(estimate, f"up-cooldown ({since_change:.0f} s)")
+                wanted = estimate.load_wanted  # the guard's extra replica waits
             target = min(wanted, current + c.max_step_up)
             return self._change(estimate, target, "slo" if estimate.slo_broken else "load")
         if wanted < current:

@@ -119,7 +119,7 @@ list item each: for `tandem planner` and for `tandem serve --ray --planner`. */}
     "--scale-up-cooldown" $p.scaleUpCooldownSeconds
     "--scale-down-cooldown" $p.scaleDownCooldownSeconds
     "--down-stable" $p.downStableSeconds "--max-step-up" $p.maxStepUp
-    "--target-busy" $p.targetBusy }}
+    "--target-busy" $p.targetBusy "--tolerance" $p.tolerance "--surge" $p.surge }}
 - {{ $flag }}
 - {{ $value | toString | quote }}
 {{- end }}
