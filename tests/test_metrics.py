@@ -249,6 +249,8 @@ def _prometheus(url: str, expr: str) -> list:
         with urllib.request.urlopen(f"{url}/api/v1/query?{query}", timeout=10) as answer:
             body = json.load(answer)
     except urllib.error.HTTPError as err:
+        if err.code == 503:  # listening, but its storage is not ready yet
+            return []
         raise AssertionError(f"Prometheus refused {expr!r}: {err.read().decode()}") from err
     except OSError:
         return []  # not up yet
