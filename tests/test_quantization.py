@@ -33,6 +33,7 @@ from tandem.engine.quantization.scheme import (
     unpack_int4,
 )
 from tandem.engine.request import PrefillMode
+from tests.engine_util import run_to_completion
 from tests.hf_reference import random_prompts
 
 TRAINED = Path(__file__).resolve().parent.parent / "engine" / "assets" / "trained" / "target"
@@ -90,7 +91,10 @@ def _int8_groups(x: torch.Tensor, group: int) -> torch.Tensor:
     parts = []
     for part in x.split(group, dim=1):
         amax = part.abs().amax(dim=1, keepdim=True)
-        inv = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
+        # Tensor / tensor: correctly rounded, as the kernel's 127.0f / amax (torch turns a
+        # scalar / tensor into a multiply by the reciprocal, one ulp off a quarter of the
+        # time, and a value then on the other side of a rounding tie moves a whole code).
+        inv = torch.where(amax > 0, torch.full_like(amax, 127.0) / amax, torch.zeros_like(amax))
         parts.append(torch.round(part * inv) * (amax / 127.0))
     return torch.cat(parts, dim=1)
 
@@ -216,15 +220,6 @@ def test_int8_stays_close_to_float32_on_the_trained_model() -> None:
     assert sum(a == b for a, b in zip(float32, int8, strict=True)) >= 5
 
 
-def _run(engine: LLMEngine, rid: str) -> list[int]:
-    tokens: list[int] = []
-    while engine.has_unfinished_requests():
-        for delta in engine.step():
-            if delta.request_id == rid:
-                tokens += delta.new_token_ids
-    return tokens
-
-
 def _disaggregated(model: Path, prompt: list[int], prefill_q: str | None, decode_q: str | None):
     """A prefill engine hands the prompt's KV to a decode engine (the workers' path,
     without the transport); returns the decode side's tokens."""
@@ -247,7 +242,7 @@ def _disaggregated(model: Path, prompt: list[int], prefill_q: str | None, decode
             t[:, blocks] = s[:, source[len(source) - len(blocks) :]]
 
     d.finish_kv_pull("x", fill)
-    return [first, *_run(d, "x")]
+    return [first, *run_to_completion(d, "x")]
 
 
 def test_int8_worker_path_equals_offline_and_mixing_with_float_still_decodes(tiny: Path) -> None:
