@@ -14,7 +14,7 @@ import itertools
 import logging
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import replace
 from pathlib import Path
 
@@ -78,15 +78,26 @@ def build_runner(config: EngineConfig, rank: int, rendezvous: Rendezvous) -> Mod
     mc = ModelConfig.from_dir(config.model)
     rt = resolve_runtime(config, mc)
     group = TensorParallelGroup.join(rendezvous, rank, rt.device)
-    layout = kv_layout(mc, rt, group.size)
+    return _model_runner(config, mc, rt, (), group)
+
+
+def _model_runner(
+    config: EngineConfig,
+    mc: ModelConfig,
+    rt: EngineRuntime,
+    eos_token_ids: Collection[int],
+    group: TensorParallelGroup | None,
+) -> ModelRunner:
+    """The model runner of one rank (rank 0 with the EOS ids it samples against)."""
+    size = group.size if group is not None else 1
     return ModelRunner(
         config.model,
         mc,
-        layout,
+        kv_layout(mc, rt, size),
         rt.backend,
         rt.linear_backend,
         rt.device,
-        (),
+        eos_token_ids,
         config.seed,
         group,
         rt.quantization,
@@ -127,18 +138,7 @@ class LLMEngine:
         group = None
         if size > 1:
             group, self.ranks, self._tp_store = start_ranks(config, size, rt.device)
-        self.runner = ModelRunner(
-            config.model,
-            mc,
-            layout,
-            rt.backend,
-            rt.linear_backend,
-            rt.device,
-            self.eos_token_ids,
-            config.seed,
-            group,
-            rt.quantization,
-        )
+        self.runner = _model_runner(config, mc, rt, self.eos_token_ids, group)
         if self.ranks is not None:
             self._rank_watch = RankWatch(self.ranks, self._rank_lost)
         self.num_kv_blocks = num_kv_blocks(config, rt, layout.bytes_per_block)

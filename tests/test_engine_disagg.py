@@ -14,6 +14,7 @@ from tandem.engine import SamplingParams
 from tandem.engine.config import EngineConfig
 from tandem.engine.llm_engine import LLMEngine
 from tandem.engine.request import PrefillMode
+from tests.engine_util import run_to_completion
 from tests.hf_reference import random_prompts
 
 
@@ -21,15 +22,6 @@ def _engine(model_dir: Path) -> LLMEngine:
     return LLMEngine(
         EngineConfig(str(model_dir), dtype="float32", num_kv_blocks=128), detokenize=False
     )
-
-
-def _run(engine: LLMEngine, rid: str) -> list[int]:
-    tokens: list[int] = []
-    while engine.has_unfinished_requests():
-        for delta in engine.step():
-            if delta.request_id == rid:
-                tokens += delta.new_token_ids
-    return tokens
 
 
 def _prefill(p: LLMEngine, prompt: list[int], params: SamplingParams, rid: str) -> int:
@@ -67,7 +59,7 @@ def test_hand_off_then_remote_decode_equals_local(model_dir: Path, params, pull_
     prompt = random_prompts(1, 4096, (45, 45), seed=11)[0]
     local = _engine(model_dir)
     local.add_request(prompt, params, request_id="x")
-    expected = _run(local, "x")
+    expected = run_to_completion(local, "x")
 
     p, d = _engine(model_dir), _engine(model_dir)
     first = _prefill(p, prompt, params, "x")
@@ -82,7 +74,7 @@ def test_hand_off_then_remote_decode_equals_local(model_dir: Path, params, pull_
     (pull,) = d.take_kv_pulls()
     assert pull.first_block == 0 and len(pull.block_ids) == 3
     assert d.finish_kv_pull("x", _copy_kv(p, d, src_blocks) if pull_ok else None)
-    assert [first, *_run(d, "x")] == expected
+    assert [first, *run_to_completion(d, "x")] == expected
 
     assert p.release_prefilled("x") and not p.release_prefilled("x")
     for engine in (p, d):
@@ -95,7 +87,7 @@ def test_decode_side_pulls_only_blocks_it_lacks(model_dir: Path) -> None:
     prompt = shared + random_prompts(1, 4096, (20, 20), seed=4)[0]
     p, d = _engine(model_dir), _engine(model_dir)
     d.add_request([*shared, 99], greedy, request_id="warm")  # leaves 2 cached blocks on d
-    _run(d, "warm")
+    run_to_completion(d, "warm")
     first = _prefill(p, prompt, greedy, "x")
     d.add_request(
         prompt, greedy, request_id="x", output_token_ids=[first], prefill_mode=PrefillMode.REMOTE
@@ -106,7 +98,7 @@ def test_decode_side_pulls_only_blocks_it_lacks(model_dir: Path) -> None:
     d.finish_kv_pull("x", _copy_kv(p, d, p.prefilled_block_ids("x")))
     local = _engine(model_dir)
     local.add_request(prompt, greedy, request_id="x")
-    assert [first, *_run(d, "x")] == _run(local, "x")
+    assert [first, *run_to_completion(d, "x")] == run_to_completion(local, "x")
 
 
 def test_abort_while_waiting_for_kv_frees_blocks_and_skips_fill(model_dir: Path) -> None:
