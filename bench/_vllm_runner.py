@@ -17,6 +17,12 @@ before the import; a value already in the environment wins:
 - ``VLLM_CPU_KVCACHE_SPACE=4`` (GiB): an explicit KV cache size. Without it vLLM sizes the
   cache from ``gpu_memory_utilization`` of the NUMA node's memory and refuses to start
   when the node's free memory is below that fraction.
+
+``ATEN_CPU_CAPABILITY=avx2`` (``throughput.py --isa avx2``) also makes vLLM load its AVX2
+build (``vllm._C_AVX2``, its attention and cache kernels compiled for AVX2) instead of the
+AVX-512 one: vLLM picks the library from ``torch.cpu._is_avx512_supported()``, which reads
+the CPU, not torch's capability setting, so this file answers it from the setting, in every
+process vLLM spawns (they import this file as their main module).
 """
 
 from __future__ import annotations
@@ -39,8 +45,19 @@ def _expose_bench_package() -> None:
             sys.modules[name] = package
 
 
+def _follow_torch_isa() -> None:
+    """Under ``ATEN_CPU_CAPABILITY=avx2``, tell vLLM this CPU has no AVX-512 (docstring)."""
+    if os.environ.get("ATEN_CPU_CAPABILITY", "").lower() != "avx2":
+        return
+    import torch
+
+    torch.cpu._is_avx512_supported = lambda: False
+    torch.cpu._is_avx512_bf16_supported = lambda: False
+
+
 if __package__ in (None, ""):
     _expose_bench_package()
+_follow_torch_isa()
 
 from tandem.bench._runner import RunnerJob, run  # noqa: E402
 from tandem.bench.workloads import Request  # noqa: E402
@@ -92,6 +109,7 @@ class VLLMOffline:
         return None
 
     def settings(self) -> dict[str, str]:
+        import torch
         import vllm
 
         config = self.llm.llm_engine.vllm_config
@@ -109,6 +127,7 @@ class VLLMOffline:
             "compilation_mode": config.compilation_config.mode,
             "executor": config.parallel_config.distributed_executor_backend,
         }
+        found["kernels"] = "avx512" if torch.cpu._is_avx512_supported() else "avx2"
         for key in ("VLLM_CPU_OMP_THREADS_BIND", "VLLM_CPU_KVCACHE_SPACE", "LD_PRELOAD"):
             found[key] = os.environ.get(key, "")
         return {k: str(v) for k, v in found.items()}

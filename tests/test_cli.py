@@ -118,6 +118,18 @@ def test_only_the_engine_flags_given_reach_the_engine() -> None:
     EngineConfig(model="m", **worker.engine_settings(args))  # all valid engine fields
 
 
+def test_quantize_lm_head_is_a_switch_with_a_value(capsys: pytest.CaptureFixture[str]) -> None:
+    quantized = ["--quantization", "int8", "--quantize-lm-head", "true"]
+    args = build_parser().parse_args(["prefill-worker", *SERVER, *quantized])
+    settings = worker.engine_settings(args)
+    assert settings == {"quantization": "int8", "quantize_lm_head": True}
+    assert EngineConfig(model="m", **settings).quantization_config().lm_head
+    args = build_parser().parse_args(["decode-worker", *SERVER, "--quantize-lm-head", "no"])
+    assert worker.engine_settings(args) == {"quantize_lm_head": False}
+    err = _parse_error(["decode-worker", *SERVER, "--quantize-lm-head", "maybe"], capsys)
+    assert "--quantize-lm-head: expected true or false, got 'maybe'" in err
+
+
 def test_help_shows_defaults(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit):
         build_parser().parse_args(["router", "--help"])

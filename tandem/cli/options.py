@@ -150,6 +150,17 @@ def positive_int(text: str) -> int:
     return value
 
 
+def boolean(text: str) -> bool:
+    """``true``/``false`` (also ``yes``/``no``, ``1``/``0``): a switch that takes a value, so
+    it travels through ``tandem serve --worker-arg=--flag=VALUE`` like every engine flag."""
+    value = text.strip().lower()
+    if value in ("true", "yes", "1"):
+        return True
+    if value in ("false", "no", "0"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
+
+
 def float_or_off(text: str) -> float | str:
     """A number, or the word 'off' (a flag that turns a guard off)."""
     if text == "off":

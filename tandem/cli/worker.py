@@ -26,6 +26,7 @@ from tandem.cli.options import (
     add_command,
     add_internal_tls_options,
     add_server_options,
+    boolean,
     device,
     internal_tls,
     positive_int,
@@ -47,6 +48,7 @@ class EngineFlag:
     type: Callable[[str], Any]
     help: str
     choices: tuple[str, ...] | None = None
+    metavar: str | None = None
 
     @property
     def field(self) -> str:
@@ -108,6 +110,13 @@ ENGINE_FLAGS: tuple[EngineFlag, ...] = (
         "quantization-group-size",
         quantization_group_size,
         "input channels per int4 scale and zero point: 32, 64 or 128 (default: 64)",
+    ),
+    EngineFlag(
+        "quantize-lm-head",
+        boolean,
+        "true: quantize the output projection too, with --quantization's method "
+        "(default: False, it stays float)",
+        metavar="{true,false}",
     ),
     EngineFlag(
         "num-threads",
@@ -200,7 +209,13 @@ def _add_worker(subparsers: argparse._SubParsersAction, role: str) -> argparse.A
     speculative = worker.add_argument_group("speculative decoding")
     for spec in ROLE_ENGINE_FLAGS[role]:
         group = speculative if spec in SPECULATIVE_FLAGS else engine
-        group.add_argument(f"--{spec.flag}", type=spec.type, choices=spec.choices, help=spec.help)
+        group.add_argument(
+            f"--{spec.flag}",
+            type=spec.type,
+            choices=spec.choices,
+            metavar=spec.metavar,
+            help=spec.help,
+        )
     worker.set_defaults(run=run, role=role)
     return worker
 
