@@ -62,6 +62,28 @@ class EngineLimits:
 
 
 @dataclass(frozen=True)
+class Storage:
+    """How a Tandem variant stores its weights and KV cache (``throughput.py``'s
+    ``tandem-*`` systems); the other systems ignore it."""
+
+    weights: str | None = None
+    """Weight-only quantization: ``int8``, ``int4`` or ``None`` (float32)."""
+    group_size: int | None = None
+    """int4's group of input channels; ``None``: the engine's default."""
+    kv_cache_dtype: str = "auto"
+    """``auto`` (float32), ``int8`` or ``fp8``."""
+
+    def engine_kwargs(self) -> dict[str, object]:
+        """``EngineConfig`` fields for this storage."""
+        kwargs: dict[str, object] = {"kv_cache_dtype": self.kv_cache_dtype}
+        if self.weights is not None:
+            kwargs["quantization"] = self.weights
+        if self.group_size is not None:
+            kwargs["quantization_group_size"] = self.group_size
+        return kwargs
+
+
+@dataclass(frozen=True)
 class RunnerJob:
     """Everything a runner needs; written by ``throughput.py``, read once by the runner."""
 
@@ -74,6 +96,10 @@ class RunnerJob:
     requests: tuple[Request, ...]
     probe_long: tuple[Request, ...]
     probe_short: tuple[Request, ...]
+    storage: Storage = Storage()
+    kv_cache_memory_gb: float | None = None
+    """The KV budget for Tandem (vLLM gets it as ``VLLM_CPU_KVCACHE_SPACE``); ``None``:
+    the engine's default."""
 
     def to_json(self) -> dict[str, object]:
         data: dict[str, object] = {
@@ -82,6 +108,8 @@ class RunnerJob:
             "model_dir": self.model_dir,
             "threads": self.threads,
             "limits": asdict(self.limits),
+            "storage": asdict(self.storage),
+            "kv_cache_memory_gb": self.kv_cache_memory_gb,
         }
         for name in _REQUEST_FIELDS:
             data[name] = requests_to_json(getattr(self, name))
@@ -91,6 +119,7 @@ class RunnerJob:
     def from_json(cls, data: dict[str, object]) -> RunnerJob:
         fields = dict(data)
         fields["limits"] = EngineLimits(**data["limits"])
+        fields["storage"] = Storage(**data.get("storage", {}))
         for name in _REQUEST_FIELDS:
             fields[name] = requests_from_json(data[name])
         return cls(**fields)

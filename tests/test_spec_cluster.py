@@ -17,7 +17,7 @@ from tandem.cli.launcher import LocalCluster
 from tandem.cli.serve import _speculative_args, default_model
 from tandem.engine import LLM, SamplingParams
 from tandem.protos import common_pb2
-from tests.cluster_util import cluster_spec, complete_all, worker_status
+from tests.cluster_util import cluster_spec, complete_all, greedy, worker_status
 from tests.hf_reference import random_prompts
 
 NUM_NEW = 24
@@ -25,10 +25,7 @@ WORKER_ARGS = ("--num-kv-blocks", "256", "--max-num-seqs", "16")
 
 
 def _greedy(**speculative: object) -> common_pb2.SamplingParams:
-    params = common_pb2.SamplingParams(max_tokens=NUM_NEW, temperature=0, ignore_eos=True)
-    if speculative:
-        params.speculative.CopyFrom(common_pb2.SpeculativeParams(**speculative))
-    return params
+    return greedy(NUM_NEW, **speculative)
 
 
 @pytest.fixture(scope="module")
