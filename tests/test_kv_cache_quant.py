@@ -17,6 +17,7 @@ import torch
 from tandem.engine import LLM, SamplingParams
 from tandem.engine.attention.base import AttentionBackendKind, make_backend, native_cpu_available
 from tandem.engine.attention.kv_quant import KVCacheDtype, QuantizedKV
+from tandem.engine.attention.native import paged_decode_library
 from tandem.engine.config import EngineConfig
 from tandem.engine.llm_engine import LLMEngine
 from tandem.engine.model_runner import KVCacheLayout
@@ -70,7 +71,9 @@ if native_cpu_available(torch.device("cpu"), torch.float32):
 
 @pytest.mark.parametrize("kv_dtype", QUANTIZED, ids=lambda k: k.value)
 @pytest.mark.parametrize("kind", KINDS, ids=lambda k: k.value)
-@pytest.mark.parametrize("heads,kv_heads,dim", [(4, 2, 16), (6, 1, 32), (8, 2, 64)])
+@pytest.mark.parametrize(
+    "heads,kv_heads,dim", [(4, 2, 16), (6, 1, 32), (8, 2, 64), (4, 2, 128), (5, 1, 80)]
+)
 @pytest.mark.parametrize("window", [None, 5])
 def test_backend_matches_reference_over_a_quantized_cache(
     kv_dtype, kind, heads: int, kv_heads: int, dim: int, window
@@ -84,6 +87,40 @@ def test_backend_matches_reference_over_a_quantized_cache(
     got, cache = _run(kind, kv_dtype, *batch, window)
     assert torch.equal(cache, ref_cache)  # both wrote the same codes and scales
     torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-5)
+
+
+needs_native = pytest.mark.skipif(paged_decode_library() is None, reason="no C compiler")
+
+
+@needs_native
+def test_native_fp8_decoding_is_torchs_for_every_code() -> None:
+    codes = torch.arange(256, dtype=torch.uint8)
+    expected = codes.view(torch.float8_e4m3fn).float()
+    for start in (0, 3):  # vector lanes, then a scalar tail
+        got = torch.empty(256 - start)
+        paged_decode_library().tandem_fp8_decode(
+            codes[start:].data_ptr(), 256 - start, got.data_ptr()
+        )
+        torch.testing.assert_close(got, expected[start:], rtol=0, atol=0, equal_nan=True)
+
+
+@needs_native
+@pytest.mark.parametrize("kind", QUANTIZED, ids=lambda k: k.value)
+def test_native_quantizing_write_stores_the_torch_bytes(kind: KVCacheDtype) -> None:
+    from tandem.engine.attention.cpu_paged import NativeQuantizedKV
+
+    torch.manual_seed(1)
+    tokens, kv_heads, dim = 40, 2, 24
+    k = torch.randn(tokens, kv_heads, dim) * torch.logspace(-40, 30, tokens).view(-1, 1, 1)
+    k[:8] = torch.randint(-254, 255, (8, kv_heads, dim)) / 2  # ties at half steps
+    k[8, 0], k[9, 1, 3] = 0.0, -0.0
+    qkv = torch.randn(tokens, 3, kv_heads, dim)  # v as a strided view, as the model passes it
+    slots = torch.randperm(64)[:tokens]
+    expected = torch.zeros(2, 4, 16, kv_heads, dim + 4, dtype=torch.uint8)
+    got = expected.clone()
+    QuantizedKV(kind).write(expected, k, qkv[:, 2], slots)
+    NativeQuantizedKV(kind, paged_decode_library()).write(got, k, qkv[:, 2], slots)
+    assert torch.equal(got, expected)
 
 
 def test_pool_holds_about_four_times_the_blocks() -> None:

@@ -1,11 +1,13 @@
-"""Tandem's one native kernel (paged decode attention on the CPU), built on first use.
+"""Tandem's native attention kernels (``csrc/paged_decode.c``), built on first use.
 
 The C source next to this file is compiled with the system C compiler into the user
-cache, keyed by the source, the flags and the machine (``-march=native``), and loaded
-with ``ctypes``: no build step at install time, no torch headers (it compiles in about a
-second). It links OpenMP by soname, so it shares torch's own OpenMP runtime and thread
-pool instead of starting a second one. ``None`` when no compiler is available: callers
-then use the pure-torch path.
+cache, once per instruction set (``engine/quantization/kernels.py``'s choice:
+``select_isa``, so ``TANDEM_CPU_ISA=avx512|avx2|portable`` forces one here too), keyed by
+the source, the flags and the compiler, and loaded with ``ctypes``: no build step at
+install time, no torch headers (a few seconds, once). It links OpenMP by soname, so it
+shares torch's own OpenMP runtime and thread pool instead of starting a second one.
+``None`` when no compiler is available or the build fails: callers then use the
+pure-torch path.
 """
 
 from __future__ import annotations
@@ -14,7 +16,6 @@ import ctypes
 import hashlib
 import logging
 import os
-import platform
 import shutil
 import subprocess
 import tempfile
@@ -24,7 +25,14 @@ from pathlib import Path
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("csrc") / "paged_decode.c"
-FLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp", "-shared", "-fPIC", "-std=c11")
+COMMON_FLAGS = ("-O3", "-ffast-math", "-fopenmp", "-shared", "-fPIC", "-std=gnu11")
+_AVX2 = ("-mavx2", "-mfma", "-mf16c")  # F16C (fp8 decoding): in every AVX2 CPU
+_ISA_FLAGS = {
+    "avx512": ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", *_AVX2),
+    "avx2": _AVX2,
+    "portable": (),
+}
+"""By ``Isa`` value: what the source's ``#if``s test (no VNNI: the kernels use none)."""
 
 
 def _cache_dir() -> Path:
@@ -32,29 +40,33 @@ def _cache_dir() -> Path:
     return Path(base) / "tandem" / "kernels"
 
 
-def _machine_key() -> str:
-    cpu = ""
-    cpuinfo = Path("/proc/cpuinfo")
-    if cpuinfo.exists():
-        cpu = next((ln for ln in cpuinfo.read_text().splitlines() if ln.startswith("flags")), "")
-    return f"{platform.machine()}|{cpu}"
+def _decode_args() -> list[type]:
+    """q, k_cache, v_cache, block_table, seq_lens, out; num_seqs, num_heads, num_kv_heads,
+    head_dim, block_size, max_blocks, max_seq_len; scale, window, num_threads."""
+    i64 = ctypes.c_int64
+    return [*[ctypes.c_void_p] * 6, *[i64] * 7, ctypes.c_float, i64, ctypes.c_int]
 
 
 @cache
 def paged_decode_library() -> ctypes.CDLL | None:
-    """The compiled kernel, or ``None`` (logged) when it cannot be built here."""
+    """The compiled kernels for this CPU's instruction set, or ``None`` (logged) when they
+    cannot be built here. ``ValueError`` for a bad ``TANDEM_CPU_ISA``."""
+    from tandem.engine.quantization.kernels import select_isa
+
+    isa = select_isa()
     compiler = shutil.which(os.environ.get("CC", "cc"))
     if compiler is None:
         log.info("no C compiler found: decode attention falls back to torch")
         return None
-    key = hashlib.sha256(SOURCE.read_bytes() + " ".join(FLAGS).encode() + _machine_key().encode())
-    target = _cache_dir() / f"paged_decode-{key.hexdigest()[:16]}.so"
+    flags = (*COMMON_FLAGS, *_ISA_FLAGS[isa.value], "-mtune=native")
+    key = hashlib.sha256(SOURCE.read_bytes() + " ".join(flags).encode() + compiler.encode())
+    target = _cache_dir() / f"paged_decode-{isa.value}-{key.hexdigest()[:16]}.so"
     if not target.exists():
         target.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
             built = Path(tmp) / target.name
             result = subprocess.run(
-                [compiler, *FLAGS, str(SOURCE), "-o", str(built), "-lm"],
+                [compiler, *flags, str(SOURCE), "-o", str(built), "-lm"],
                 capture_output=True,
                 text=True,
             )
@@ -63,17 +75,29 @@ def paged_decode_library() -> ctypes.CDLL | None:
                 return None
             built.replace(target)  # atomic: concurrent builders never see half a file
     library = ctypes.CDLL(str(target))
-    decode_args = (
-        [ctypes.c_void_p] * 6
-        + [ctypes.c_int64] * 7
-        + [ctypes.c_float, ctypes.c_int64, ctypes.c_int]
-    )
-    for name, extra in (
-        ("tandem_paged_decode_f32", []),
-        ("tandem_paged_decode_i8", []),
-        ("tandem_paged_decode_fp8", [ctypes.c_void_p]),  # the code -> value table
-    ):
+    library.tandem_paged_decode_isa.restype = ctypes.c_char_p
+    for name in ("tandem_paged_decode_f32", "tandem_paged_decode_i8", "tandem_paged_decode_fp8"):
         fn = getattr(library, name)
         fn.restype = ctypes.c_int
-        fn.argtypes = decode_args + extra
+        fn.argtypes = _decode_args()
+    library.tandem_kv_write_q8.restype = None
+    # fp8?, k, v, k_stride, v_stride, slots, num_tokens, num_kv_heads, head_dim, k_cache,
+    # v_cache, num_threads
+    i64, ptr = ctypes.c_int64, ctypes.c_void_p
+    library.tandem_kv_write_q8.argtypes = [
+        ctypes.c_int,
+        ptr,
+        ptr,
+        i64,
+        i64,
+        ptr,
+        i64,
+        i64,
+        i64,
+        ptr,
+        ptr,
+        ctypes.c_int,
+    ]
+    library.tandem_fp8_decode.restype = None
+    library.tandem_fp8_decode.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p]
     return library
