@@ -14,13 +14,18 @@ from tandem.cli.main import main as tandem_main
 from tandem.engine import LLM, SamplingParams
 from tandem.engine.config import EngineConfig
 from tandem.engine.llm_engine import LLMEngine
+from tandem.engine.parallel.layers import Span
 from tandem.engine.quantization import kernels as kernels_module
 from tandem.engine.quantization.kernels import (
+    INT_GEMM_ENV,
     ISA_ENV,
+    IntGemm,
     Isa,
     quant_kernels,
+    select_int_gemm,
     select_isa,
     supported_isas,
+    torch_int_mm_is_exact,
 )
 from tandem.engine.quantization.linear import MAX_KERNEL_ROWS, QuantizedLinear
 from tandem.engine.quantization.scheme import (
@@ -168,17 +173,117 @@ def test_quantized_linear_takes_the_gemm_path_beyond_the_kernel_rows(kernels, me
         if method is QuantMethod.INT8
         else quantize_int4(linear.weight, 32)
     )
-    from tandem.engine.parallel.layers import Span
 
     layer = QuantizedLinear(weight, linear.bias, config, kernels, (Span(0, 40),))
     reference = dequantize(weight, method, 32)
     for rows in (1, MAX_KERNEL_ROWS, MAX_KERNEL_ROWS + 1, 40):
         x = torch.randn(rows, 70)
-        fused = method is QuantMethod.INT4 and rows <= MAX_KERNEL_ROWS
+        int8_rows = (method is QuantMethod.INT4) == (rows <= MAX_KERNEL_ROWS)
+        group = 32 if method is QuantMethod.INT4 else 70  # int8: one scale per row
         expected = torch.nn.functional.linear(
-            _int8_groups(x, 32) if fused else x, reference, linear.bias.detach()
+            _int8_groups(x, group) if int8_rows else x, reference, linear.bias.detach()
         )
         torch.testing.assert_close(layer(x), expected, rtol=1e-4, atol=1e-4)
+
+
+# --- int8 activations times int8 weights (more than MAX_KERNEL_ROWS rows) ---------------
+
+
+def _w8a8_reference(x: torch.Tensor, q, bias: torch.Tensor | None) -> torch.Tensor:
+    """Plain torch: each row rounded to int8 with its own scale, an int64 product, then
+    the activation and weight scales."""
+    amax = x.abs().amax(dim=1)
+    inv = torch.where(amax > 0, torch.full_like(amax, 127.0) / amax, torch.zeros_like(amax))
+    xq = torch.round(x * inv[:, None]).to(torch.int64)
+    acc = (xq @ q.qweight.to(torch.int64).T).to(torch.float32)
+    y = acc * (amax / 127.0)[:, None] * q.scales[None, :]
+    return y if bias is None else y + bias
+
+
+def _int8_layer(kernels, weight: torch.Tensor, bias, int_gemm: IntGemm) -> QuantizedLinear:
+    config = QuantizationConfig(QuantMethod.INT8)
+    spans = (Span(0, weight.shape[0]),)
+    return QuantizedLinear(quantize_int8(weight), bias, config, kernels, spans, None, int_gemm)
+
+
+def _int_gemms() -> list[IntGemm]:
+    return [IntGemm.NATIVE, *([IntGemm.TORCH] if torch_int_mm_is_exact() else [])]
+
+
+@pytest.mark.parametrize("m", [17, 64, 300])
+@pytest.mark.parametrize(("n", "k"), [(37, 100), (33, 130), (129, 300), (8, 31)])
+def test_int8_activation_path_equals_an_integer_reference(kernels, m: int, n: int, k: int) -> None:
+    """Odd shapes (k not a multiple of any vector, n odd), an all-zero row (scale 0: the
+    output is the bias), both backends."""
+    w, x, bias = _weight(n, k, seed=m + n), torch.randn(m, k) * 3, torch.randn(n)
+    x[5] = 0.0
+    x[6, 0] = -50.0  # a row whose extreme code is -127
+    expected = _w8a8_reference(x, quantize_int8(w), bias)
+    for int_gemm in _int_gemms():
+        got = _int8_layer(kernels, w, bias, int_gemm)(x)
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+        assert torch.equal(got[5], bias)
+
+
+def test_native_and_torch_integer_products_are_identical(kernels) -> None:
+    if not torch_int_mm_is_exact():
+        pytest.skip("torch._int_mm is not exact on this CPU (the native kernel is used)")
+    g = torch.Generator().manual_seed(3)
+    for m, k, n in ((17, 70, 37), (64, 768, 130), (300, 257, 64)):
+        xq = torch.randint(-127, 128, (m, k), generator=g, dtype=torch.int8)
+        q = torch.randint(-127, 128, (n, k), generator=g, dtype=torch.int8)
+        xq[0], q[0] = 127, -127  # the extremes, where a saturating product would show
+        xq[1] = -127
+        native = kernels.int8_int8_matmul(xq, q)
+        assert torch.equal(native, torch._int_mm(xq, q.t()))
+        assert torch.equal(native.long(), xq.long() @ q.long().T)
+        sx, scales, bias = torch.rand(m), torch.rand(n), torch.randn(n)
+        fused = kernels.int8_int8_linear(xq, sx, q, scales, bias)
+        assert torch.equal(fused, kernels.rescale(native.clone(), sx, scales, bias))
+
+
+def test_a_slice_of_each_row_rounds_as_the_whole_row_with_the_rows_maximum(kernels) -> None:
+    """What a row-parallel rank does: the all-reduced row maxima make its codes and
+    scales those of the whole row's."""
+    x = torch.randn(40, 96)
+    xq, sx = kernels.quantize_rows(x)
+    amax = kernels.row_absmax(x)
+    assert torch.equal(amax, x.abs().amax(dim=1))
+    for lo, hi in ((0, 48), (48, 96)):
+        part_q, part_sx = kernels.quantize_rows(x[:, lo:hi].contiguous(), amax)
+        assert torch.equal(part_sx, sx)
+        assert torch.equal(part_q, xq[:, lo:hi])
+
+
+def test_a_rows_int8_activation_result_depends_on_neither_batch_nor_threads(kernels) -> None:
+    w, x, bias = _weight(70, 200, seed=4), torch.randn(64, 200), torch.randn(70)
+    padding = torch.randn(MAX_KERNEL_ROWS, 200)  # a row alone still takes the batched path
+    threads = torch.get_num_threads()
+    for int_gemm in _int_gemms():
+        layer = _int8_layer(kernels, w, bias, int_gemm)
+        batch = layer(x)
+        try:
+            torch.set_num_threads(1)
+            for row in range(0, 64, 7):
+                alone = layer(torch.cat([x[row : row + 1], padding]))
+                assert torch.equal(alone[0], batch[row])
+        finally:
+            torch.set_num_threads(threads)
+
+
+def test_the_integer_gemm_can_be_forced_and_is_refused_by_name(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv(INT_GEMM_ENV, "native")
+    assert select_int_gemm() is IntGemm.NATIVE
+    monkeypatch.setenv(INT_GEMM_ENV, "blas")
+    with pytest.raises(ValueError, match="TANDEM_INT8_GEMM must be one of torch, native"):
+        select_int_gemm()
+    monkeypatch.delenv(INT_GEMM_ENV)
+    fast = select_isa() is Isa.AVX512 and torch_int_mm_is_exact()
+    assert select_int_gemm() is (IntGemm.TORCH if fast else IntGemm.NATIVE)
+    monkeypatch.setenv(ISA_ENV, "portable")  # no VNNI: torch's int8 GEMM is not used
+    assert select_int_gemm() is IntGemm.NATIVE
 
 
 def test_an_unknown_or_missing_isa_is_refused_by_name(monkeypatch: pytest.MonkeyPatch) -> None:

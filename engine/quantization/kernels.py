@@ -9,6 +9,10 @@ to the paged-attention kernel's build), once per instruction set: ``avx512``
 it). Like the attention kernel the library links OpenMP by soname, so it shares torch's
 thread pool; callers pass ``torch.get_num_threads()``, which the engine's ``num_threads``
 sets.
+
+``IntGemm`` names what multiplies int8 activations by int8 weights (int8 layers beyond 16
+rows): ``torch._int_mm`` where it passes a once-per-process exactness check, else the
+native kernel; ``TANDEM_INT8_GEMM=torch|native`` forces one.
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ from tandem.engine.attention.native import _cache_dir
 SOURCE = Path(__file__).with_name("csrc") / "quant_matmul.c"
 COMMON_FLAGS = ("-O3", "-fopenmp", "-shared", "-fPIC", "-std=gnu11")
 ISA_ENV = "TANDEM_CPU_ISA"
+INT_GEMM_ENV = "TANDEM_INT8_GEMM"
 
 
 class Isa(enum.Enum):
@@ -104,6 +109,60 @@ def select_isa() -> Isa:
     return isa
 
 
+class IntGemm(enum.Enum):
+    """What multiplies int8 activations by int8 weights (int8 layers, more than 16 rows)."""
+
+    TORCH = "torch"
+    """``torch._int_mm`` (oneDNN): about a third of a float32 GEMM's time with AVX-512
+    VNNI, but wrong (saturating u8 x s8 products) when oneDNN runs its AVX2 code."""
+    NATIVE = "native"
+    """``tandem_int8_int8_matmul`` in ``csrc/quant_matmul.c``: exact on every build."""
+
+
+def select_int_gemm() -> IntGemm:
+    """``TANDEM_INT8_GEMM=torch|native`` if set (``ValueError`` when unknown, or ``torch``
+    where it fails its check), else ``torch`` where the instruction set is ``avx512``
+    (which includes VNNI) and ``torch_int_mm_is_exact()``, otherwise ``native``. Without
+    VNNI torch either runs oneDNN's saturating AVX2 code or, since pytorch#136746, a plain
+    loop many times slower than a float GEMM, so the native kernel is the choice there
+    whatever the check says. Called once per model (``quantize_model``)."""
+    forced = os.environ.get(INT_GEMM_ENV)
+    if not forced:
+        fast = select_isa() is Isa.AVX512 and torch_int_mm_is_exact()
+        return IntGemm.TORCH if fast else IntGemm.NATIVE
+    try:
+        choice = IntGemm(forced)
+    except ValueError:
+        valid = ", ".join(g.value for g in IntGemm)
+        raise ValueError(f"{INT_GEMM_ENV} must be one of {valid}, got {forced!r}") from None
+    if choice is IntGemm.TORCH and not torch_int_mm_is_exact():
+        raise ValueError(f"{INT_GEMM_ENV}=torch but torch._int_mm fails its exactness check here")
+    return choice
+
+
+@cache
+def torch_int_mm_is_exact() -> bool:
+    """Whether ``torch._int_mm`` gives the exact int32 product here, checked once per
+    process (a few ms): odd shapes, every sign combination of the extreme codes +-127
+    (where a u8 x s8 pair sum saturates on oneDNN's AVX2 path) and random codes, against
+    an int64 product. An error (a shape it refuses, no such op) counts as a failure."""
+    generator = torch.Generator().manual_seed(0)
+    cases = []
+    for m, k, n in ((17, 70, 37), (64, 256, 48)):
+        for a, b in ((127, 127), (-127, 127), (127, -127), (-127, -127)):
+            x = torch.full((m, k), a, dtype=torch.int8)
+            cases.append((x, torch.full((n, k), b, dtype=torch.int8)))
+        x = torch.randint(-127, 128, (m, k), generator=generator, dtype=torch.int8)
+        w = torch.randint(-127, 128, (n, k), generator=generator, dtype=torch.int8)
+        cases.append((x, w))
+    try:
+        return all(
+            torch.equal(torch._int_mm(x, w.t()).long(), x.long() @ w.long().t()) for x, w in cases
+        )
+    except (RuntimeError, AttributeError):
+        return False
+
+
 def _ptr(tensor: torch.Tensor | None) -> int | None:
     return None if tensor is None else tensor.data_ptr()
 
@@ -143,6 +202,31 @@ class QuantKernels:
         self._int4_dq.restype = None
         self._int4_dq.argtypes = (
             [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 3 + [ctypes.c_void_p, ctypes.c_int]
+        )
+        self._int8_int8 = library.tandem_int8_int8_matmul
+        self._int8_int8.restype = None
+        self._int8_int8.argtypes = (
+            [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64]
+            + [ctypes.c_void_p] * 4
+            + [ctypes.c_int]
+        )
+        self._rescale = library.tandem_int8_rescale
+        self._rescale.restype = None
+        self._rescale.argtypes = (
+            [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64]
+            + [ctypes.c_void_p] * 4
+            + [ctypes.c_int]
+        )
+        self._absmax = library.tandem_row_absmax
+        self._absmax.restype = None
+        self._absmax.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p]
+        self._absmax.argtypes += [ctypes.c_int]
+        self._quantize_rows = library.tandem_int8_quantize_rows
+        self._quantize_rows.restype = None
+        self._quantize_rows.argtypes = (
+            [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64]
+            + [ctypes.c_void_p] * 3
+            + [ctypes.c_int]
         )
         name = library.tandem_quant_isa
         name.restype = ctypes.c_char_p
@@ -200,6 +284,100 @@ class QuantKernels:
         if status != 0:
             raise MemoryError("int4 matmul: could not allocate its group sums")
         return y
+
+    def row_absmax(self, x: torch.Tensor) -> torch.Tensor:
+        """``max |x[r, :]|`` per row of a float32 ``[m, k]`` ``x``: ``[m]``."""
+        m, k = x.shape
+        amax = torch.empty(m, dtype=torch.float32)
+        self._absmax(x.data_ptr(), m, k, amax.data_ptr(), torch.get_num_threads())
+        return amax
+
+    def quantize_rows(
+        self, x: torch.Tensor, amax: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(xq, sx)``: ``x [m, k]`` rounded per row to int8, ``x ~ sx[:, None] * xq``,
+        with ``sx = a / 127`` and ``xq = round(x * (127 / a))`` (ties to even; ``a = 0``
+        gives zeros), ``a`` each row's ``max |x|``, or ``amax [m]`` when given (a
+        row-parallel slice: the maximum over the whole row)."""
+        m, k = x.shape
+        xq = torch.empty(m, k, dtype=torch.int8)
+        sx = torch.empty(m, dtype=torch.float32)
+        self._quantize_rows(
+            x.data_ptr(),
+            m,
+            k,
+            _ptr(amax),
+            xq.data_ptr(),
+            sx.data_ptr(),
+            torch.get_num_threads(),
+        )
+        return xq, sx
+
+    def int8_int8_matmul(self, xq: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+        """The exact int32 ``xq [m, k] @ q.T`` of two int8 matrices (``q`` ``[n, k]``)."""
+        m, k = xq.shape
+        acc = torch.empty(m, q.shape[0], dtype=torch.int32)
+        self._int8_int8(
+            xq.data_ptr(),
+            m,
+            k,
+            q.data_ptr(),
+            q.shape[0],
+            acc.data_ptr(),
+            None,
+            None,
+            None,
+            torch.get_num_threads(),
+        )
+        return acc
+
+    def int8_int8_linear(
+        self,
+        xq: torch.Tensor,
+        sx: torch.Tensor,
+        q: torch.Tensor,
+        scales: torch.Tensor,
+        bias: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """``rescale(int8_int8_matmul(xq, q), sx, scales, bias)`` in one pass."""
+        m, k = xq.shape
+        n = q.shape[0]
+        acc = torch.empty(m, n, dtype=torch.int32)
+        self._int8_int8(
+            xq.data_ptr(),
+            m,
+            k,
+            q.data_ptr(),
+            n,
+            acc.data_ptr(),
+            sx.data_ptr(),
+            scales.data_ptr(),
+            _ptr(bias),
+            torch.get_num_threads(),
+        )
+        return acc.view(torch.float32)
+
+    def rescale(
+        self,
+        acc: torch.Tensor,
+        sx: torch.Tensor,
+        scales: torch.Tensor,
+        bias: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """``float(acc) * sx[:, None] * scales[None, :] + bias`` of an int32 ``[m, n]``
+        ``acc``, written over ``acc`` (returned as its float32 view)."""
+        m, n = acc.shape
+        self._rescale(
+            acc.data_ptr(),
+            m,
+            n,
+            sx.data_ptr(),
+            scales.data_ptr(),
+            _ptr(bias),
+            acc.data_ptr(),
+            torch.get_num_threads(),
+        )
+        return acc.view(torch.float32)
 
     def int8_dequantize(self, q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
         n, k = q.shape

@@ -3,14 +3,20 @@
 A ``QuantizedLinear`` holds a ``QuantizedWeight`` (``scheme``) and multiplies with the
 native kernels: up to ``MAX_KERNEL_ROWS`` rows (decodes, small batches, speculative
 verifications) in the fused dequantize-and-multiply kernel, which reads the weight once
-at 1 or 0.5 bytes per value; more rows (prefill) by dequantizing the weight to float32 in
-C and running a float GEMM, where compute, not weight traffic, is the cost.
+at 1 or 0.5 bytes per value. More rows (batched decodes, prefill chunks) are
+compute-bound: int8 rounds each row of activations to int8 (one scale per row) and
+multiplies integers, exactly, with ``torch._int_mm`` or the native kernel (``IntGemm``,
+chosen once per model: ``TANDEM_INT8_GEMM=native`` forces the native one); int4
+dequantizes its weight to float32 in C and runs a float GEMM.
 
 Tensor parallelism: each rank quantizes its own slice. A column-parallel slice is whole
 rows, so it quantizes as the full weight would. A row-parallel slice is a range of input
 columns: int8 takes each row's scale from the maximum over all ranks (one all-reduce at
 load), int4 needs the slice to be whole groups (refused otherwise). A model quantized at
 tensor_parallel_size N therefore holds exactly the slices of the model quantized at 1.
+Likewise a row-parallel int8 layer rounds its slice of the activations with the whole
+row's scale (an all-reduce of the row maxima per call of more than ``MAX_KERNEL_ROWS``
+rows), so each rank's integers are a slice of the one-rank product's.
 """
 
 from __future__ import annotations
@@ -23,7 +29,13 @@ from tandem.engine.layers.attention import SelfAttention
 from tandem.engine.layers.mlp import GatedMLP
 from tandem.engine.parallel.group import TensorParallelGroup
 from tandem.engine.parallel.layers import CheckpointSlice, RowParallelLinear, Span
-from tandem.engine.quantization.kernels import QuantKernels, quant_kernels, select_isa
+from tandem.engine.quantization.kernels import (
+    IntGemm,
+    QuantKernels,
+    quant_kernels,
+    select_int_gemm,
+    select_isa,
+)
 from tandem.engine.quantization.scheme import (
     QuantizationConfig,
     QuantizedWeight,
@@ -50,12 +62,19 @@ class QuantizedLinear(nn.Module):
         kernels: QuantKernels,
         row_spans: tuple[Span, ...],
         col_span: Span | None = None,
+        int_gemm: IntGemm = IntGemm.NATIVE,
+        row_group: TensorParallelGroup | None = None,
     ) -> None:
         """``row_spans[i]``: the rows this layer holds of stacked checkpoint tensor ``i``
         (q/k/v, gate/up); ``col_span``: the input columns it holds (a row-parallel
-        slice), ``None`` for all. Both say where a quantized checkpoint's tensors go."""
+        slice), ``None`` for all. Both say where a quantized checkpoint's tensors go.
+        ``int_gemm``: what multiplies int8 by int8 beyond ``MAX_KERNEL_ROWS`` rows (int8
+        only). ``row_group``: for a row-parallel slice, the ranks holding the rest of
+        each input row (their row maxima are combined before rounding); ``None`` when
+        this layer sees whole rows."""
         super().__init__()
         self.row_spans, self.col_span = row_spans, col_span
+        self.int_gemm, self.row_group = int_gemm, row_group
         self.in_features = weight.in_features
         self.out_features = weight.qweight.shape[0]
         self.method, self.group_size = config.method, config.group_size
@@ -83,16 +102,35 @@ class QuantizedLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)
-        if rows.shape[0] > MAX_KERNEL_ROWS:
-            return F.linear(x, self.dequantized(), self.bias)
-        rows = rows.contiguous()
-        if self.method is QuantMethod.INT8:
-            y = self.kernels.int8_matmul(rows, self.qweight, self.scales, self.bias)
+        if rows.shape[0] <= MAX_KERNEL_ROWS:
+            y = self._fused(rows.contiguous())
+        elif self.method is QuantMethod.INT8:
+            y = self._int8_activations(rows.contiguous())
         else:
-            y = self.kernels.int4_matmul(
-                rows, self.qweight, self.scales, self.zeros, self.group_size, self.bias
-            )
+            return F.linear(x, self.dequantized(), self.bias)
         return y.view(*x.shape[:-1], self.out_features)
+
+    def _fused(self, rows: torch.Tensor) -> torch.Tensor:
+        """Up to ``MAX_KERNEL_ROWS`` rows: one pass over the weight (module docstring)."""
+        if self.method is QuantMethod.INT8:
+            return self.kernels.int8_matmul(rows, self.qweight, self.scales, self.bias)
+        return self.kernels.int4_matmul(
+            rows, self.qweight, self.scales, self.zeros, self.group_size, self.bias
+        )
+
+    def _int8_activations(self, rows: torch.Tensor) -> torch.Tensor:
+        """``rows`` rounded to int8 per row, times the int8 weight, exactly in int32, then
+        scaled: ``acc * sx[:, None] * scales[None, :] + bias``. ``torch._int_mm`` takes
+        the weight as the transposed view ``qweight.t()``: as fast as a contiguous
+        ``[k, n]`` copy (measured at 64 and 512 rows), so only one copy is held."""
+        amax = None
+        if self.row_group is not None:
+            amax = self.row_group.all_reduce_max(self.kernels.row_absmax(rows))
+        xq, sx = self.kernels.quantize_rows(rows, amax)
+        if self.int_gemm is IntGemm.TORCH:
+            acc = torch._int_mm(xq, self.qweight.t())
+            return self.kernels.rescale(acc, sx, self.scales, self.bias)
+        return self.kernels.int8_int8_linear(xq, sx, self.qweight, self.scales, self.bias)
 
     def load_part(self, leaf: str, tensor: CheckpointSlice, shard: int | None) -> None:
         """Fill buffer ``leaf`` (qweight, scales, zeros, bias) from stacked checkpoint
@@ -120,9 +158,10 @@ class QuantizedLinear(nn.Module):
 
     def extra_repr(self) -> str:
         group = f", group_size={self.group_size}" if self.method is QuantMethod.INT4 else ""
+        gemm = f", int_gemm={self.int_gemm.value}" if self.method is QuantMethod.INT8 else ""
         return (
             f"in={self.in_features}, out={self.out_features}, {self.method.value}{group}, "
-            f"isa={self.kernels.isa.value}"
+            f"isa={self.kernels.isa.value}{gemm}"
         )
 
 
@@ -157,9 +196,12 @@ class _Quantizer:
     """Turns one loaded float linear layer into its quantized form (module docstring).
     ``empty``: shapes only, values left for a quantized checkpoint to fill."""
 
-    def __init__(self, config: QuantizationConfig, kernels: QuantKernels, empty: bool) -> None:
+    def __init__(
+        self, config: QuantizationConfig, kernels: QuantKernels, int_gemm: IntGemm, empty: bool
+    ) -> None:
         self.config = config
         self.kernels = kernels
+        self.int_gemm = int_gemm
         self.empty = empty
 
     def __call__(self, linear: nn.Linear, parts: tuple[int, ...]) -> nn.Module:
@@ -171,10 +213,19 @@ class _Quantizer:
         if isinstance(linear, RowParallelLinear):
             quantized = self._row_slice(weight, linear.group)
             product = QuantizedLinear(
-                quantized, bias, self.config, self.kernels, spans, linear.span
+                quantized,
+                bias,
+                self.config,
+                self.kernels,
+                spans,
+                linear.span,
+                self.int_gemm,
+                linear.group,
             )
             return AllReducedLinear(product, linear.group)
-        return QuantizedLinear(self._whole(weight), bias, self.config, self.kernels, spans)
+        return QuantizedLinear(
+            self._whole(weight), bias, self.config, self.kernels, spans, None, self.int_gemm
+        )
 
     def _whole(self, weight: torch.Tensor) -> QuantizedWeight:
         if self.empty:
@@ -203,7 +254,8 @@ def quantize_model(model: nn.Module, config: QuantizationConfig, empty: bool = F
     many modules changed. Every rank of a tensor-parallel replica calls it at the same
     point (row-parallel int8 layers all-reduce their row maxima). ``empty``: the layers
     get uninitialised buffers of the right shapes (for ``checkpoint.load_quantized``)."""
-    quantize = _Quantizer(config, quant_kernels(select_isa()), empty)
+    int_gemm = select_int_gemm() if config.method is QuantMethod.INT8 else IntGemm.NATIVE
+    quantize = _Quantizer(config, quant_kernels(select_isa()), int_gemm, empty)
     count = 0
     for module in model.modules():
         if isinstance(module, SelfAttention):

@@ -1,4 +1,4 @@
-/* Weight-only quantized matrix products for the CPU, float32 activations:
+/* Quantized matrix products for the CPU, float32 in and out:
  *
  *   y[r, j] = sum_i x[r, i] * W[j, i] + bias[j]      r < m rows, j < n outputs, i < k inputs
  *
@@ -12,7 +12,9 @@
  * int8 multiplies float activations (each weight widened to float, FMAs). int4 rounds
  * each row of activations to int8 first and multiplies integers (see tandem_int4_matmul):
  * the float path spent more on unpacking and converting nibbles than int8 did on its
- * bytes, so halving the weight bytes bought nothing.
+ * bytes, so halving the weight bytes bought nothing. Beyond 16 rows int8 weights multiply
+ * int8 activations too (tandem_int8_int8_matmul, at the end): there compute, not weight
+ * traffic, is the cost, and integer products are cheaper than float ones.
  *
  * Compiled once per instruction set (see kernels.py): with -mavx512f.. -mavx512vnni the
  * vector type is 16 floats, with -mavx2 8, otherwise GCC's generic vector extension of 4
@@ -79,6 +81,9 @@ static inline vf vint8(const int8_t *p) {
 #define BLOCK 32      /* int4 inputs per packed block */
 #define ROWS 4        /* rows of x sharing one pass over a weight row */
 #define PARALLEL_MACS (1 << 16)
+/* Passes that touch each value once (rounding activations, rescaling int32 sums): threads
+ * pay off only on large inputs (each parallel region is a barrier, slow on busy cores). */
+#define PARALLEL_VALUES (1 << 20)
 
 const char *tandem_quant_isa(void) { return ISA_NAME; }
 
@@ -349,8 +354,8 @@ int tandem_int4_matmul(const float *x, int64_t m, int64_t k, const uint8_t *q,
     return 0;
 }
 
-/* out[j, i] = W[j, i] in float32, for the many-row path (a dequantized weight fed to a
- * float GEMM). */
+/* out[j, i] = W[j, i] in float32: int4's many-row path (a dequantized weight fed to a
+ * float GEMM) and QuantizedLinear.dequantized. */
 void tandem_int8_dequantize(const int8_t *q, const float *scales, int64_t n, int64_t k,
                             float *out, int num_threads) {
 #pragma omp parallel for num_threads(num_threads) schedule(static)
@@ -367,4 +372,186 @@ void tandem_int4_dequantize(const uint8_t *q, const float *scales, const uint8_t
             int64_t g = j * groups + i / group;
             out[j * k + i] = scales[g] * (float)(nibble(q + j * row_bytes, i) - zeros[g]);
         }
+}
+
+/* ---- int8 weights times int8 activations (W8A8), for more than 16 rows ------------------
+ *
+ * The activations are rounded per row, x ~ sx[r] * xq[r, :], sx = max|x[r]| / 127 and
+ * xq = round(x * (127 / max|x[r]|)) in [-127, 127] (a zero row: sx = 0, xq = 0), and
+ *
+ *   y[r, j] = (float)(sum_i xq[r, i] * q[j, i]) * sx[r] * s[j] + bias[j]
+ *
+ * The integer sums are exact (int32: at most 127 * 127 * k), so their order does not
+ * matter and a row's result depends on neither its batch nor the thread count.
+ *
+ * No x86 instruction multiplies signed by signed bytes, so each product is taken as
+ * |x| (unsigned, <= 127) times w with x's sign moved onto it (|w| <= 127 too): AVX2
+ * vpsignb, then vpmaddubsw (adds pairs into int16: at most 2 * 127 * 127, no saturation)
+ * and vpmaddwd by ones into int32; AVX-512 negates w under the mask of x's sign bits and
+ * vpdpbusd adds groups of four straight into int32. A register block is IROWS rows of xq
+ * times ICOLS weight rows, so each weight vector serves IROWS rows and each activation
+ * vector ICOLS columns. */
+#define IROWS 4
+#define ROW_TILE 64
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#define IVL 64
+#define ICOLS 4
+typedef __m512i vi;
+typedef struct { __m512i abs; __mmask64 neg; } xvec;
+static inline vi vi_zero(void) { return _mm512_setzero_si512(); }
+static inline __m512i w_load(const int8_t *p) { return _mm512_loadu_si512((const void *)p); }
+static inline xvec x_load(const int8_t *p) {
+    __m512i v = _mm512_loadu_si512((const void *)p);
+    return (xvec){_mm512_abs_epi8(v), _mm512_movepi8_mask(v)};
+}
+static inline vi vi_dot(vi acc, xvec x, __m512i w) {
+    return _mm512_dpbusd_epi32(acc, x.abs, _mm512_mask_sub_epi8(w, x.neg, _mm512_setzero_si512(), w));
+}
+static inline int32_t vi_sum(vi a) { return _mm512_reduce_add_epi32(a); }
+#elif defined(__AVX2__)
+#define IVL 32
+#define ICOLS 2
+typedef __m256i vi;
+typedef struct { __m256i abs, sign; } xvec;
+static inline vi vi_zero(void) { return _mm256_setzero_si256(); }
+static inline __m256i w_load(const int8_t *p) { return _mm256_loadu_si256((const __m256i *)p); }
+static inline xvec x_load(const int8_t *p) {
+    __m256i v = _mm256_loadu_si256((const __m256i *)p);
+    return (xvec){_mm256_abs_epi8(v), v};
+}
+static inline vi vi_dot(vi acc, xvec x, __m256i w) {
+    __m256i pairs = _mm256_maddubs_epi16(x.abs, _mm256_sign_epi8(w, x.sign));
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
+}
+static inline int32_t vi_sum(vi a) {
+    __m128i s = _mm_add_epi32(_mm256_castsi256_si128(a), _mm256_extracti128_si256(a, 1));
+    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4E));
+    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xB1));
+    return _mm_cvtsi128_si32(s);
+}
+#endif
+
+static inline float rescaled(int32_t acc, float sx, float s, float b) {
+    return (float)acc * sx * s + b;
+}
+
+#ifdef IVL
+/* out[r * ldo + c] = sum_i x[r * k + i] * w[c * k + i] for r < rows, c < cols (constants
+ * after inlining): whole vectors, then a scalar tail. */
+static inline __attribute__((always_inline)) void int8x8_block(const int8_t *x, const int8_t *w,
+                                                                int64_t k, int rows, int cols,
+                                                                int32_t *out, int64_t ldo) {
+    vi acc[IROWS][ICOLS];
+    for (int r = 0; r < rows; r++)
+        for (int c = 0; c < cols; c++) acc[r][c] = vi_zero();
+    int64_t i = 0;
+    for (; i + IVL <= k; i += IVL) {
+        __typeof__(w_load(w)) wv[ICOLS];
+        for (int c = 0; c < cols; c++) wv[c] = w_load(w + c * k + i);
+        for (int r = 0; r < rows; r++) {
+            xvec xr = x_load(x + r * k + i);
+            for (int c = 0; c < cols; c++) acc[r][c] = vi_dot(acc[r][c], xr, wv[c]);
+        }
+    }
+    for (int r = 0; r < rows; r++)
+        for (int c = 0; c < cols; c++) {
+            int32_t sum = vi_sum(acc[r][c]);
+            for (int64_t t = i; t < k; t++) sum += (int32_t)x[r * k + t] * w[c * k + t];
+            out[r * ldo + c] = sum;
+        }
+}
+#else
+#define ICOLS 2
+/* Plain C (GCC vectorizes the int32 dot product). */
+static inline void int8x8_block(const int8_t *x, const int8_t *w, int64_t k, int rows,
+                                int cols, int32_t *out, int64_t ldo) {
+    for (int r = 0; r < rows; r++)
+        for (int c = 0; c < cols; c++) {
+            int32_t sum = 0;
+            for (int64_t i = 0; i < k; i++) sum += (int32_t)x[r * k + i] * w[c * k + i];
+            out[r * ldo + c] = sum;
+        }
+}
+#endif
+
+/* Rows r0 <= r < r1 of `acc` for output channels j < j + cols (cols a constant). */
+static inline __attribute__((always_inline)) void int8x8_tile(const int8_t *xq, int64_t r0,
+                                                               int64_t r1, int64_t k,
+                                                               const int8_t *w, int cols,
+                                                               int32_t *acc, int64_t n) {
+    int64_t r = r0;
+    for (; r + IROWS <= r1; r += IROWS) int8x8_block(xq + r * k, w, k, IROWS, cols, acc + r * n, n);
+    for (; r < r1; r++) int8x8_block(xq + r * k, w, k, 1, cols, acc + r * n, n);
+}
+
+/* acc[r, j] = sum_i xq[r, i] * q[j, i], exactly; then, when sx is given, in place,
+ * ((float *)acc)[r, j] = rescaled(acc[r, j], sx[r], scales[j], bias[j]). Threads take
+ * blocks of COL_BLOCK output channels; a block goes over the rows ROW_TILE at a time, so
+ * its weight rows, a tile of xq and the tile's outputs all stay in L2 (with whole rows of
+ * outputs per tile, 768x6144 at 512 rows ran 1.3x slower than at 64: each output line
+ * was evicted between the column pairs that fill it). */
+#define COL_BLOCK (16 * ICOLS)
+void tandem_int8_int8_matmul(const int8_t *xq, int64_t m, int64_t k, const int8_t *q, int64_t n,
+                             int32_t *acc, const float *sx, const float *scales,
+                             const float *bias, int num_threads) {
+    int64_t blocks = (n + COL_BLOCK - 1) / COL_BLOCK;
+#pragma omp parallel for num_threads(num_threads) if (m * n * k >= PARALLEL_MACS) schedule(static)
+    for (int64_t block = 0; block < blocks; block++) {
+        int64_t j0 = block * COL_BLOCK, j1 = n - j0 < COL_BLOCK ? n : j0 + COL_BLOCK;
+        for (int64_t r0 = 0; r0 < m; r0 += ROW_TILE) {
+            int64_t r1 = m - r0 < ROW_TILE ? m : r0 + ROW_TILE, j = j0;
+            for (; j + ICOLS <= j1; j += ICOLS) int8x8_tile(xq, r0, r1, k, q + j * k, ICOLS, acc + j, n);
+            for (; j < j1; j++) int8x8_tile(xq, r0, r1, k, q + j * k, 1, acc + j, n);
+            if (sx == NULL) continue;
+            float *y = (float *)acc;
+            for (int64_t r = r0; r < r1; r++)
+                for (j = j0; j < j1; j++)
+                    y[r * n + j] = rescaled(acc[r * n + j], sx[r], scales[j], bias ? bias[j] : 0.0f);
+        }
+    }
+}
+
+/* y[r, j] = rescaled(acc[r, j], sx[r], scales[j], bias[j]); y may be acc itself. */
+void tandem_int8_rescale(const int32_t *acc, int64_t m, int64_t n, const float *sx,
+                         const float *scales, const float *bias, float *y, int num_threads) {
+#pragma omp parallel for num_threads(num_threads) if (m * n >= PARALLEL_VALUES) schedule(static)
+    for (int64_t r = 0; r < m; r++) {
+        if (bias)
+            for (int64_t j = 0; j < n; j++) y[r * n + j] = rescaled(acc[r * n + j], sx[r], scales[j], bias[j]);
+        else
+            for (int64_t j = 0; j < n; j++) y[r * n + j] = rescaled(acc[r * n + j], sx[r], scales[j], 0.0f);
+    }
+}
+
+static inline float absmax(const float *x, int64_t k) {
+    float a[8] = {0};
+    int64_t i = 0;
+    for (; i + 8 <= k; i += 8)
+        for (int t = 0; t < 8; t++) {
+            float v = fabsf(x[i + t]);
+            a[t] = v > a[t] ? v : a[t];
+        }
+    for (; i < k; i++) a[0] = fmaxf(a[0], fabsf(x[i]));
+    for (int t = 1; t < 8; t++) a[0] = fmaxf(a[0], a[t]);
+    return a[0];
+}
+
+/* amax[r] = max_i |x[r, i]|. */
+void tandem_row_absmax(const float *x, int64_t m, int64_t k, float *amax, int num_threads) {
+#pragma omp parallel for num_threads(num_threads) if (m * k >= PARALLEL_VALUES) schedule(static)
+    for (int64_t r = 0; r < m; r++) amax[r] = absmax(x + r * k, k);
+}
+
+/* xq[r, i] = round(x[r, i] * (127 / a)) (to nearest, ties to even) and sx[r] = a / 127,
+ * with a = amax[r], or the row's own max |x| when amax is NULL; a zero a gives zeros.
+ * amax (given) is the maximum |x| over the whole row of which x holds a slice. */
+void tandem_int8_quantize_rows(const float *x, int64_t m, int64_t k, const float *amax,
+                               int8_t *xq, float *sx, int num_threads) {
+#pragma omp parallel for num_threads(num_threads) if (m * k >= PARALLEL_VALUES) schedule(static)
+    for (int64_t r = 0; r < m; r++) {
+        float a = amax ? amax[r] : absmax(x + r * k, k), inv = a > 0.0f ? 127.0f / a : 0.0f;
+        for (int64_t i = 0; i < k; i++) xq[r * k + i] = (int8_t)(int32_t)nearbyintf(x[r * k + i] * inv);
+        sx[r] = a / 127.0f;
+    }
 }
