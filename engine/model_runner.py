@@ -19,6 +19,7 @@ from tandem.common.model_config import ModelConfig
 from tandem.engine.attention.base import AttentionBackendKind, make_backend
 from tandem.engine.attention.kv_quant import KVCacheDtype, cache_row
 from tandem.engine.layers.linear import LinearBackend, pack_linear_layers
+from tandem.engine.layers.native_ops import native_ops_for, use_native_ops
 from tandem.engine.loader import load_model
 from tandem.engine.parallel.group import TensorParallelGroup
 from tandem.engine.parallel.plan import ForwardPlan, PlanChannel, PlanKind
@@ -99,6 +100,9 @@ class ModelRunner:
         )
         if linear_backend is LinearBackend.ONEDNN:
             pack_linear_layers(self.model)
+        native_ops = native_ops_for(device, layout.dtype)
+        if native_ops is not None:
+            use_native_ops(self.model, native_ops)
         self.kv_caches: list[torch.Tensor] = []
         self.backend = make_backend(
             backend, model_config.head_dim**-0.5, layout.block_size, layout.kv_cache_dtype

@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 from torch import nn
+
+if TYPE_CHECKING:
+    from tandem.engine.layers.native_ops import FusedOps
 
 
 class RMSNorm(nn.Module):
@@ -11,8 +16,13 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(hidden_size))
         self.eps = eps
+        self.native: FusedOps | None = None
+        """Set by ``native_ops.use_native_ops`` (float32 CPU inference): one C pass per
+        row instead of the torch ops below."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.native is not None:
+            return self.native.rms_norm(x, self.weight, self.eps)
         # Normalise in float32 whatever the model dtype, then scale in the model dtype:
         # the order HF Llama uses, so float32 results agree bit for bit.
         dtype = x.dtype
@@ -23,6 +33,9 @@ class RMSNorm(nn.Module):
     def forward_with_residual(
         self, x: torch.Tensor, residual: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(norm(x + residual), x + residual)``: the pre-norm pattern of every block."""
+        """``(norm(x + residual), x + residual)``: the pre-norm pattern of every block.
+        The caller gives up ``residual``: the sum may be written into it."""
+        if self.native is not None:
+            return self.native.add_rms_norm(x, residual, self.weight, self.eps)
         residual = x + residual
         return self.forward(residual), residual

@@ -8,11 +8,15 @@ pairs with the second half), as HuggingFace checkpoints expect.
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
 from tandem.common.model_config import RopeConfig, RopeScaling
+
+if TYPE_CHECKING:
+    from tandem.engine.layers.native_ops import FusedOps
 
 
 def inverse_frequencies(head_dim: int, rope: RopeConfig) -> torch.Tensor:
@@ -62,6 +66,9 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer(
             "sin", torch.empty(max_positions, head_dim, dtype=dtype), persistent=False
         )
+        self.native: FusedOps | None = None
+        """Set by ``native_ops.use_native_ops`` (float32 CPU inference): q and k rotated
+        in one C call, without the torch path's temporaries."""
 
     def materialize(self, device: torch.device) -> None:
         """Fill the tables on ``device`` (models are built on the meta device, then loaded)."""
@@ -75,7 +82,10 @@ class RotaryEmbedding(nn.Module):
     def forward(
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Rotate ``q [T, H, D]`` and ``k [T, KVH, D]`` by their token ``positions [T]``."""
+        """Rotate ``q [T, H, D]`` and ``k [T, KVH, D]`` by their token ``positions [T]``
+        into new tensors."""
+        if self.native is not None:
+            return self.native.rotary(positions, q, k, self.cos, self.sin)
         cos = self.cos[positions].unsqueeze(1)
         sin = self.sin[positions].unsqueeze(1)
         return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
