@@ -8,9 +8,12 @@ Held-out text: the Python sources of the installed ``numpy`` package (the model 
 trained on the standard library only; see engine/assets/trained/README.md), files in
 sorted order, concatenated up to ``--tokens`` tokens and scored in windows of the
 model's training length (256). Perplexity is computed with HuggingFace ``transformers``
-on the very weights the engine holds (each projection replaced by
-``dequantize(quantize(w))`` with the engine's own functions, which is what the kernels
-multiply by, up to float rounding). Greedy agreement runs the engine itself: prompts are
+with each projection replaced by the engine's own ``QuantizedLinear`` over the engine's
+quantized weights, so a window's 256 rows take the engine's path for that many rows:
+int8 rounds the activations to int8 per row and multiplies in int32 (W8A8), int4
+multiplies float activations by the dequantized weight. Greedy agreement runs the engine
+itself (decode steps of one row, where int8 multiplies float activations and int4 int8
+activations rounded per group): prompts are
 32-token windows of the same text; reported are the fraction of prompts whose first 32
 greedy tokens equal float32's and the mean position of the first difference (32 when
 none). Writes ``bench/results/quant_quality.json`` (or ``--json PATH``): ``float32_ppl``
@@ -73,21 +76,9 @@ def _tokenizer(model: Path):
 def perplexity(model: Path, tokens: list[int], setting: tuple[str, int] | None) -> float:
     from transformers import AutoModelForCausalLM
 
-    from tandem.engine.quantization.scheme import (
-        QuantMethod,
-        dequantize,
-        quantize_int4,
-        quantize_int8,
-    )
-
     hf = AutoModelForCausalLM.from_pretrained(str(model), torch_dtype=torch.float32).eval()
     if setting is not None:
-        method, group = QuantMethod(setting[0]), setting[1]
-        for name, module in hf.named_modules():
-            if isinstance(module, torch.nn.Linear) and name.rpartition(".")[2].endswith("proj"):
-                w = module.weight.detach()
-                q = quantize_int8(w) if method is QuantMethod.INT8 else quantize_int4(w, group)
-                module.weight.data = dequantize(q, method, group)
+        _quantize_projections(hf, setting)
     nll, count = 0.0, 0
     with torch.no_grad():
         for start in range(0, len(tokens) - 1, WINDOW):
@@ -98,6 +89,34 @@ def perplexity(model: Path, tokens: list[int], setting: tuple[str, int] | None) 
             nll += torch.nn.functional.cross_entropy(logits, ids[0, 1:], reduction="sum").item()
             count += ids.shape[1] - 1
     return math.exp(nll / count)
+
+
+def _quantize_projections(hf: torch.nn.Module, setting: tuple[str, int]) -> None:
+    """Every ``*_proj`` linear of ``hf`` becomes the engine's ``QuantizedLinear``."""
+    from tandem.engine.parallel.layers import Span
+    from tandem.engine.quantization.kernels import quant_kernels, select_int_gemm, select_isa
+    from tandem.engine.quantization.linear import QuantizedLinear
+    from tandem.engine.quantization.scheme import (
+        QuantizationConfig,
+        QuantMethod,
+        quantize_int4,
+        quantize_int8,
+    )
+
+    config = QuantizationConfig(QuantMethod(setting[0]), setting[1])
+    kernels, int_gemm = quant_kernels(select_isa()), select_int_gemm()
+    for parent in list(hf.modules()):
+        for name, child in list(parent.named_children()):
+            if isinstance(child, torch.nn.Linear) and name.endswith("proj"):
+                w = child.weight.detach()
+                q = (
+                    quantize_int8(w)
+                    if config.method is QuantMethod.INT8
+                    else quantize_int4(w, config.group_size)
+                )
+                spans = (Span(0, w.shape[0]),)
+                layer = QuantizedLinear(q, child.bias, config, kernels, spans, int_gemm=int_gemm)
+                setattr(parent, name, layer)
 
 
 def kv_perplexity(model: Path, tokens: list[int], kv_cache_dtype: str) -> float:

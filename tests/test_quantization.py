@@ -27,7 +27,11 @@ from tandem.engine.quantization.kernels import (
     supported_isas,
     torch_int_mm_is_exact,
 )
-from tandem.engine.quantization.linear import MAX_KERNEL_ROWS, QuantizedLinear
+from tandem.engine.quantization.linear import (
+    INT4_KERNEL_ROWS,
+    MAX_KERNEL_ROWS,
+    QuantizedLinear,
+)
 from tandem.engine.quantization.scheme import (
     QuantizationConfig,
     QuantMethod,
@@ -176,9 +180,10 @@ def test_quantized_linear_takes_the_gemm_path_beyond_the_kernel_rows(kernels, me
 
     layer = QuantizedLinear(weight, linear.bias, config, kernels, (Span(0, 40),))
     reference = dequantize(weight, method, 32)
-    for rows in (1, MAX_KERNEL_ROWS, MAX_KERNEL_ROWS + 1, 40):
+    fused = MAX_KERNEL_ROWS if method is QuantMethod.INT8 else INT4_KERNEL_ROWS
+    for rows in (1, MAX_KERNEL_ROWS, MAX_KERNEL_ROWS + 1, 40, INT4_KERNEL_ROWS + 1):
         x = torch.randn(rows, 70)
-        int8_rows = (method is QuantMethod.INT4) == (rows <= MAX_KERNEL_ROWS)
+        int8_rows = (method is QuantMethod.INT4) == (rows <= fused)
         group = 32 if method is QuantMethod.INT4 else 70  # int8: one scale per row
         expected = torch.nn.functional.linear(
             _int8_groups(x, group) if int8_rows else x, reference, linear.bias.detach()

@@ -6,8 +6,10 @@ verifications) in the fused dequantize-and-multiply kernel, which reads the weig
 at 1 or 0.5 bytes per value. More rows (batched decodes, prefill chunks) are
 compute-bound: int8 rounds each row of activations to int8 (one scale per row) and
 multiplies integers, exactly, with ``torch._int_mm`` or the native kernel (``IntGemm``,
-chosen once per model: ``TANDEM_INT8_GEMM=native`` forces the native one); int4
-dequantizes its weight to float32 in C and runs a float GEMM.
+chosen once per model: ``TANDEM_INT8_GEMM=native`` forces the native one). int4 keeps
+its fused kernel (int8 activations per group, integer dot products) up to
+``INT4_KERNEL_ROWS`` rows and beyond that dequantizes its weight to float32 in C and
+runs a float GEMM.
 
 Tensor parallelism: each rank quantizes its own slice. A column-parallel slice is whole
 rows, so it quantizes as the full weight would. A row-parallel slice is a range of input
@@ -47,8 +49,13 @@ from tandem.engine.quantization.scheme import (
 )
 
 MAX_KERNEL_ROWS = 16
-"""Rows up to which the fused kernel beats dequantize + float GEMM (the issue's M <= 16;
-measured on the development machine in docs/quantization.md)."""
+"""Rows up to which int8's fused float-activation kernel is used (the issue's M <= 16);
+beyond, int8 activations and integer products are cheaper."""
+INT4_KERNEL_ROWS = 128
+"""Rows up to which int4's fused kernel beats dequantize + float GEMM: the kernel's cost
+grows with the rows, the dequantization's does not. Summed over the medium model's four
+projection shapes (2 threads, AVX-512): 0.33x the dequantize + GEMM time at 32 rows,
+0.58x at 64, 0.79x at 128, 1.05x at 256."""
 
 
 class QuantizedLinear(nn.Module):
@@ -78,6 +85,8 @@ class QuantizedLinear(nn.Module):
         self.in_features = weight.in_features
         self.out_features = weight.qweight.shape[0]
         self.method, self.group_size = config.method, config.group_size
+        int8 = config.method is QuantMethod.INT8
+        self.fused_rows = MAX_KERNEL_ROWS if int8 else INT4_KERNEL_ROWS
         self.kernels = kernels
         self.register_buffer("qweight", weight.qweight)
         self.register_buffer("scales", weight.scales)
@@ -102,7 +111,7 @@ class QuantizedLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)
-        if rows.shape[0] <= MAX_KERNEL_ROWS:
+        if rows.shape[0] <= self.fused_rows:
             y = self._fused(rows.contiguous())
         elif self.method is QuantMethod.INT8:
             y = self._int8_activations(rows.contiguous())
@@ -111,7 +120,7 @@ class QuantizedLinear(nn.Module):
         return y.view(*x.shape[:-1], self.out_features)
 
     def _fused(self, rows: torch.Tensor) -> torch.Tensor:
-        """Up to ``MAX_KERNEL_ROWS`` rows: one pass over the weight (module docstring)."""
+        """Up to ``fused_rows`` rows: one pass over the weight (module docstring)."""
         if self.method is QuantMethod.INT8:
             return self.kernels.int8_matmul(rows, self.qweight, self.scales, self.bias)
         return self.kernels.int4_matmul(
