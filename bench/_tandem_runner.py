@@ -50,7 +50,7 @@ class TandemOffline:
         return 1 - usage.stored_tokens / slots if slots else None
 
     def settings(self) -> dict[str, str]:
-        from tandem.engine.quantization.kernels import select_isa
+        from tandem.engine.native_build import select_isa
 
         engine, storage = self.llm.engine, self.job.storage
         usage = engine.peak_kv_usage

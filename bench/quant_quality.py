@@ -93,8 +93,9 @@ def perplexity(model: Path, tokens: list[int], setting: tuple[str, int] | None) 
 
 def _quantize_projections(hf: torch.nn.Module, setting: tuple[str, int]) -> None:
     """Every ``*_proj`` linear of ``hf`` becomes the engine's ``QuantizedLinear``."""
+    from tandem.engine.native_build import select_isa
     from tandem.engine.parallel.layers import Span
-    from tandem.engine.quantization.kernels import quant_kernels, select_int_gemm, select_isa
+    from tandem.engine.quantization.kernels import quant_kernels, select_int_gemm
     from tandem.engine.quantization.linear import QuantizedLinear
     from tandem.engine.quantization.scheme import (
         QuantizationConfig,

@@ -61,7 +61,7 @@ def measure(model: str, steps: int, rounds: int, threads: int) -> dict[str, obje
 
     from tandem.engine.config import EngineConfig
     from tandem.engine.llm_engine import LLMEngine
-    from tandem.engine.quantization.kernels import select_isa
+    from tandem.engine.native_build import select_isa
 
     engines = {
         name: LLMEngine(

@@ -14,7 +14,7 @@ from tandem.common.model_config import RopeConfig, RopeScaling
 from tandem.engine.layers.native_ops import fused_ops, native_ops_for
 from tandem.engine.layers.norm import RMSNorm
 from tandem.engine.layers.rotary import RotaryEmbedding
-from tandem.engine.quantization.kernels import supported_isas
+from tandem.engine.native_build import supported_isas
 
 pytestmark = pytest.mark.skipif(shutil.which("cc") is None, reason="no C compiler")
 

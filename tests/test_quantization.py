@@ -11,20 +11,16 @@ import pytest
 import torch
 
 from tandem.cli.main import main as tandem_main
-from tandem.engine import LLM, SamplingParams
+from tandem.engine import LLM, SamplingParams, native_build
 from tandem.engine.config import EngineConfig
 from tandem.engine.llm_engine import LLMEngine
+from tandem.engine.native_build import ISA_ENV, Isa, select_isa, supported_isas
 from tandem.engine.parallel.layers import Span
-from tandem.engine.quantization import kernels as kernels_module
 from tandem.engine.quantization.kernels import (
     INT_GEMM_ENV,
-    ISA_ENV,
     IntGemm,
-    Isa,
     quant_kernels,
     select_int_gemm,
-    select_isa,
-    supported_isas,
     torch_int_mm_is_exact,
 )
 from tandem.engine.quantization.linear import (
@@ -299,8 +295,8 @@ def test_an_unknown_or_missing_isa_is_refused_by_name(monkeypatch: pytest.Monkey
 
 def test_avx512_without_vnni_gets_the_avx2_build(monkeypatch: pytest.MonkeyPatch) -> None:
     flags = frozenset({"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx2", "fma"})
-    monkeypatch.setattr(kernels_module, "cpu_flags", lambda: flags)
-    monkeypatch.setattr(kernels_module.platform, "machine", lambda: "x86_64")
+    monkeypatch.setattr(native_build, "cpu_flags", lambda: flags)
+    monkeypatch.setattr(native_build.platform, "machine", lambda: "x86_64")
     monkeypatch.delenv(ISA_ENV, raising=False)
     assert select_isa() is Isa.AVX2
     assert supported_isas() == [Isa.AVX2, Isa.PORTABLE]

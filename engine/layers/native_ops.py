@@ -8,7 +8,7 @@ of the 2-core development EPYC (process time, 768 wide, 12 + 4 heads of 64): 128
 take 47 instead of 85 us for residual add + norm and 36 instead of 198 us for rotary; a
 decode token 8 instead of 17 us and 16 instead of 45 us; fp32 workload A 4.9% less CPU.
 
-Built and cached like the quantized matmuls (``engine/quantization/kernels.py``): compiled
+Built and cached like every native kernel (``engine/native_build.py``): compiled
 with the system C compiler on first use, once per instruction set, which
 ``select_isa`` picks once (``TANDEM_CPU_ISA`` forces one). ``use_native_ops`` switches a
 loaded model's norms and rotary embedding over; the modules keep their torch code for
@@ -18,20 +18,14 @@ other devices, other dtypes and training (these kernels have no backward).
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import logging
-import os
-import shutil
-import subprocess
-import tempfile
 from functools import cache
 from pathlib import Path
 
 import torch
 from torch import nn
 
-from tandem.engine.attention.native import _cache_dir
-from tandem.engine.quantization.kernels import Isa, KernelBuildError, select_isa
+from tandem.engine.native_build import Isa, KernelBuildError, build_library, select_isa
 
 log = logging.getLogger(__name__)
 
@@ -153,25 +147,8 @@ class FusedOps:
 def fused_ops(isa: Isa) -> FusedOps:
     """The kernels built for ``isa`` (compiled on first use, then cached on disk and here);
     ``KernelBuildError`` when no C compiler is found or it fails."""
-    compiler = shutil.which(os.environ.get("CC", "cc"))
-    if compiler is None:
-        raise KernelBuildError("the fused CPU kernels need a C compiler (cc / $CC)")
-    flags = (*COMMON_FLAGS, *_ISA_FLAGS[isa], f'-DTANDEM_ISA="{isa.value}"')
-    key = hashlib.sha256(SOURCE.read_bytes() + " ".join(flags).encode() + compiler.encode())
-    target = _cache_dir() / f"fused_ops-{isa.value}-{key.hexdigest()[:16]}.so"
-    if not target.exists():
-        target.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-            built = Path(tmp) / target.name
-            result = subprocess.run(
-                [compiler, *flags, str(SOURCE), "-o", str(built), "-lm"],
-                capture_output=True,
-                text=True,
-            )
-            if result.returncode != 0:
-                raise KernelBuildError(f"building the {isa.value} kernels failed:\n{result.stderr}")
-            built.replace(target)  # atomic: concurrent builders never see half a file
-    return FusedOps(ctypes.CDLL(str(target)), isa)
+    flags = (*COMMON_FLAGS, *_ISA_FLAGS[isa], f'-DTANDEM_ISA="{isa.value}"', "-lm")
+    return FusedOps(build_library(SOURCE, isa, flags), isa)
 
 
 def native_ops_for(device: torch.device, dtype: torch.dtype) -> FusedOps | None:

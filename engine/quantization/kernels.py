@@ -1,14 +1,10 @@
 """The native quantized matmuls (``csrc/quant_matmul.c``), one build per instruction set.
 
-The source is compiled with the system C compiler on first use into the user cache (next
-to the paged-attention kernel's build), once per instruction set: ``avx512``
-(``-mavx512f -mavx512bw ... -mavx512vnni``; a CPU without VNNI gets ``avx2``), ``avx2``
-(``-mavx2 -mfma``) and ``portable`` (no ``-m`` flag: GCC's generic vectors).
-``select_isa`` picks the best one the CPU's flags allow, once at start-up;
-``TANDEM_CPU_ISA=avx512|avx2|portable`` forces one (refused, by name, when the CPU lacks
-it). Like the attention kernel the library links OpenMP by soname, so it shares torch's
-thread pool; callers pass ``torch.get_num_threads()``, which the engine's ``num_threads``
-sets.
+Built like every native kernel (``engine/native_build.py``: compiled on first use,
+cached, ``select_isa`` / ``TANDEM_CPU_ISA``), with these flags: ``avx512``
+(``-mavx512f -mavx512bw ... -mavx512vnni``), ``avx2`` (``-mavx2 -mfma``) and ``portable``
+(no ``-m`` flag: GCC's generic vectors). Callers pass ``torch.get_num_threads()``, which
+the engine's ``num_threads`` sets.
 
 ``IntGemm`` names what multiplies int8 activations by int8 weights (int8 layers beyond 16
 rows): ``torch._int_mm`` where it passes a once-per-process exactness check, else the
@@ -19,31 +15,17 @@ from __future__ import annotations
 
 import ctypes
 import enum
-import hashlib
 import os
-import platform
-import shutil
-import subprocess
-import tempfile
 from functools import cache
 from pathlib import Path
 
 import torch
 
-from tandem.engine.attention.native import _cache_dir
+from tandem.engine.native_build import Isa, KernelBuildError, build_library, select_isa
 
 SOURCE = Path(__file__).with_name("csrc") / "quant_matmul.c"
 COMMON_FLAGS = ("-O3", "-fopenmp", "-shared", "-fPIC", "-std=gnu11")
-ISA_ENV = "TANDEM_CPU_ISA"
 INT_GEMM_ENV = "TANDEM_INT8_GEMM"
-
-
-class Isa(enum.Enum):
-    AVX512 = "avx512"
-    AVX2 = "avx2"
-    PORTABLE = "portable"
-
-
 _ISA_FLAGS: dict[Isa, tuple[str, ...]] = {
     Isa.AVX512: (
         "-mavx512f",
@@ -57,56 +39,6 @@ _ISA_FLAGS: dict[Isa, tuple[str, ...]] = {
     Isa.AVX2: ("-mavx2", "-mfma"),
     Isa.PORTABLE: (),
 }
-_CPU_FLAGS_NEEDED: dict[Isa, frozenset[str]] = {
-    Isa.AVX512: frozenset(
-        {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni", "avx2", "fma"}
-    ),
-    Isa.AVX2: frozenset({"avx2", "fma"}),
-    Isa.PORTABLE: frozenset(),
-}
-
-
-class KernelBuildError(RuntimeError):
-    """The C compiler is missing or rejected the source; carries the compiler's output."""
-
-
-def cpu_flags() -> frozenset[str]:
-    """The CPU's feature flags (``/proc/cpuinfo``); empty where that file is missing."""
-    cpuinfo = Path("/proc/cpuinfo")
-    if not cpuinfo.exists():
-        return frozenset()
-    for line in cpuinfo.read_text().splitlines():
-        if line.startswith("flags"):
-            return frozenset(line.partition(":")[2].split())
-    return frozenset()
-
-
-def supported_isas() -> list[Isa]:
-    """The instruction sets this machine runs, best first (``portable`` always)."""
-    if platform.machine().lower() not in ("x86_64", "amd64"):
-        return [Isa.PORTABLE]
-    flags = cpu_flags()
-    return [isa for isa in Isa if _CPU_FLAGS_NEEDED[isa] <= flags]
-
-
-def select_isa() -> Isa:
-    """``TANDEM_CPU_ISA`` if set (``ValueError`` when unknown or unsupported here), else
-    the best this CPU supports."""
-    forced = os.environ.get(ISA_ENV)
-    supported = supported_isas()
-    if not forced:
-        return supported[0]
-    try:
-        isa = Isa(forced)
-    except ValueError:
-        valid = ", ".join(i.value for i in Isa)
-        raise ValueError(f"{ISA_ENV} must be one of {valid}, got {forced!r}") from None
-    if isa not in supported:
-        raise ValueError(
-            f"{ISA_ENV}={forced} but this CPU lacks it (supported: "
-            f"{', '.join(i.value for i in supported)})"
-        )
-    return isa
 
 
 class IntGemm(enum.Enum):
@@ -409,20 +341,4 @@ class QuantKernels:
 def quant_kernels(isa: Isa) -> QuantKernels:
     """The kernels built for ``isa`` (compiled on first use, then cached on disk and here);
     ``KernelBuildError`` when no C compiler is found or it fails."""
-    compiler = shutil.which(os.environ.get("CC", "cc"))
-    if compiler is None:
-        raise KernelBuildError("quantized linear layers need a C compiler (cc / $CC)")
-    flags = (*COMMON_FLAGS, *_ISA_FLAGS[isa])
-    key = hashlib.sha256(SOURCE.read_bytes() + " ".join(flags).encode() + compiler.encode())
-    target = _cache_dir() / f"quant_matmul-{isa.value}-{key.hexdigest()[:16]}.so"
-    if not target.exists():
-        target.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-            built = Path(tmp) / target.name
-            result = subprocess.run(
-                [compiler, *flags, str(SOURCE), "-o", str(built)], capture_output=True, text=True
-            )
-            if result.returncode != 0:
-                raise KernelBuildError(f"building the {isa.value} kernels failed:\n{result.stderr}")
-            built.replace(target)  # atomic: concurrent builders never see half a file
-    return QuantKernels(ctypes.CDLL(str(target)), isa)
+    return QuantKernels(build_library(SOURCE, isa, (*COMMON_FLAGS, *_ISA_FLAGS[isa])), isa)

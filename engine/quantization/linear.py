@@ -29,6 +29,7 @@ from torch import nn
 
 from tandem.engine.layers.attention import SelfAttention
 from tandem.engine.layers.mlp import GatedMLP
+from tandem.engine.native_build import select_isa
 from tandem.engine.parallel.group import TensorParallelGroup
 from tandem.engine.parallel.layers import CheckpointSlice, RowParallelLinear, Span
 from tandem.engine.quantization.kernels import (
@@ -36,7 +37,6 @@ from tandem.engine.quantization.kernels import (
     QuantKernels,
     quant_kernels,
     select_int_gemm,
-    select_isa,
 )
 from tandem.engine.quantization.scheme import (
     QuantizationConfig,
