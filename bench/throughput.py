@@ -1,19 +1,24 @@
 """Engine throughput: Tandem's offline engine against its peers, same machine, same run.
 
     python bench/throughput.py [--model DIR] [--systems tandem,tandem-int8-kv8,hf,vllm] \\
-        [--vllm-python PATH] [--workloads A,B] [--kv-cache-memory-gb 4] [--isa avx2] [--quick]
+        [--vllm-python PATH] [--workloads A,B] [--kv-cache-memory-gb 4] [--isa avx2] \\
+        [--rounds 3] [--quick]
 
 Every (system, workload) pair runs in its own subprocess (``bench/_<system>_runner.py``,
 driven by ``bench/_runner.py``) with the same thread count, the same requests (a JSON job
 file) and the same measurement; see ``bench/README.md`` for what each figure means and
 how to build the vLLM virtualenv. ``tandem-*`` systems are Tandem with quantized weights
 and/or KV cache (``TANDEM_VARIANTS``), compared with float32 ``tandem`` in the same run.
+``--rounds N`` runs every pair N times, each round in a rotated system order, and reports
+each pair's median round (with the range): on a shared 2-core VM the same run moves by
+10-20 % from minute to minute, more than the differences worth reporting.
 Prints a table and writes ``bench/results/throughput.json``.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import platform
@@ -71,6 +76,7 @@ class Plan:
     results_dir: Path
     run_timeout_s: float
     wait_quiet_s: float
+    rounds: int
     quick: bool
     kv_cache_memory_gb: float
     isa: str
@@ -89,6 +95,7 @@ class Row:
     log: Path
     other_load: float | None  # cores busy with other processes during the run
     longest_request: int  # prompt + output tokens of the workload's longest request
+    rounds: tuple[float, ...] = ()  # out tok/s of every round (--rounds), this row the median
 
 
 @dataclass(frozen=True)
@@ -117,8 +124,16 @@ class KVPool:
 def main(argv: Sequence[str] | None = None) -> int:
     plan = _plan(_parse_args(argv))
     pool = TokenPool.from_checkpoint(plan.model_dir)
+    runs: dict[tuple[str, str], list[Row]] = {}
+    for round_ in range(plan.rounds):
+        shift = round_ % len(plan.systems)
+        order = plan.systems[shift:] + plan.systems[:shift]
+        for spec in plan.workloads:
+            for system in order:
+                row = _measure(system, spec, plan, pool, round_)
+                runs.setdefault((system, spec.name), []).append(row)
     rows = [
-        _measure(system, spec, plan, pool) for spec in plan.workloads for system in plan.systems
+        _median_row(runs[system, spec.name]) for spec in plan.workloads for system in plan.systems
     ]
     print(format_table(rows, plan.isa))
     out = plan.results_dir / "throughput.json"
@@ -144,6 +159,12 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     )
     p.add_argument("--threads", type=int, default=2, help="threads for every system")
     p.add_argument("--repeats", type=int, default=3, help="batch-1 probe repeats (median)")
+    p.add_argument(
+        "--rounds",
+        type=_positive,
+        default=1,
+        help="run every (system, workload) this many times in rotated orders; report the median",
+    )
     p.add_argument("--probe-tokens", type=int, help="N of the batch-1 probe (default 65)")
     p.add_argument("--max-num-seqs", type=int, help="passed to vllm and tandem")
     p.add_argument("--max-num-batched-tokens", type=int, help="passed to vllm and tandem")
@@ -170,6 +191,13 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
 def _plan(args: argparse.Namespace) -> Plan:
     systems = _systems(args.systems, args.vllm_python)
     if "vllm" in systems and not args.kv_cache_memory_gb.is_integer():
@@ -192,6 +220,7 @@ def _plan(args: argparse.Namespace) -> Plan:
         results_dir=args.results_dir,
         run_timeout_s=args.run_timeout,
         wait_quiet_s=args.wait_quiet,
+        rounds=args.rounds,
         quick=args.quick,
         kv_cache_memory_gb=args.kv_cache_memory_gb,
         isa=args.isa,
@@ -268,10 +297,21 @@ def _job(system: str, spec: WorkloadSpec, plan: Plan, pool: TokenPool) -> Runner
     )
 
 
-def _measure(system: str, spec: WorkloadSpec, plan: Plan, pool: TokenPool) -> Row:
+def _median_row(runs: Sequence[Row]) -> Row:
+    """The round with the median out tok/s (the lower middle of an even count), carrying
+    every round's figure; a failed round makes the pair failed."""
+    failed = [r for r in runs if r.result is None]
+    if failed or len(runs) == 1:
+        return failed[0] if failed else runs[0]
+    ordered = sorted(runs, key=lambda r: r.result.tokens_per_s)  # type: ignore[union-attr]
+    figures = tuple(r.result.tokens_per_s for r in runs)  # type: ignore[union-attr]
+    return dataclasses.replace(ordered[(len(ordered) - 1) // 2], rounds=figures)
+
+
+def _measure(system: str, spec: WorkloadSpec, plan: Plan, pool: TokenPool, round_: int) -> Row:
     runs = plan.results_dir / "runs"
     runs.mkdir(parents=True, exist_ok=True)
-    stem = runs / f"{system}-{spec.name}"
+    stem = runs / (f"{system}-{spec.name}" + (f"-r{round_ + 1}" if plan.rounds > 1 else ""))
     job_path, result_path, log = (
         stem.with_suffix(s) for s in (".job.json", ".result.json", ".log")
     )
@@ -281,7 +321,8 @@ def _measure(system: str, spec: WorkloadSpec, plan: Plan, pool: TokenPool) -> Ro
     result_path.unlink(missing_ok=True)
     cmd = [*_runner_command(system, plan), str(job_path), str(result_path)]
     _wait_for_quiet(plan.wait_quiet_s)
-    print(f"running {system} on workload {spec.name} (log: {log})", flush=True)
+    when = f" round {round_ + 1}/{plan.rounds}" if plan.rounds > 1 else ""
+    print(f"running {system} on workload {spec.name}{when} (log: {log})", flush=True)
     meter = LoadMeter.start()
     error = _run_logged(cmd, log, _child_env(plan), plan.run_timeout_s)
     other_load = meter.other_load()
@@ -469,7 +510,7 @@ def _row_cells(row: Row, rows: Sequence[Row]) -> tuple[str, ...]:
     return (
         row.system,
         workload,
-        f"{row.result.tokens_per_s:.1f}",
+        f"{row.result.tokens_per_s:.1f}" + _spread(row),
         f"{ratio:.2f}x {row.workload.baseline}" if ratio is not None else "-",
         f"{vs.tokens_per_s:.2f}x" if vs else "-",
         step,
@@ -480,8 +521,12 @@ def _row_cells(row: Row, rows: Sequence[Row]) -> tuple[str, ...]:
     )
 
 
+def _spread(row: Row) -> str:
+    return f" ({min(row.rounds):.0f}-{max(row.rounds):.0f})" if row.rounds else ""
+
+
 def _cells(values: Sequence[str]) -> str:
-    widths = (15, 34, 10, 12, 8, 14, 17, 9, 5, 11)
+    widths = (15, 34, 18, 12, 8, 14, 17, 9, 5, 11)
     return "  ".join(v.ljust(w) for v, w in zip(values, widths, strict=True)).rstrip()
 
 
@@ -499,6 +544,7 @@ def _summary(plan: Plan, rows: Sequence[Row]) -> dict[str, object]:
         "kv_cache_memory_gb": plan.kv_cache_memory_gb,
         "max_model_len": plan.max_model_len,
         "isa": plan.isa,
+        "rounds": plan.rounds,
         "isa_env": ISA_ENV[plan.isa],
         "machine": {"cpu_count": os.cpu_count(), "platform": platform.platform()},
         "workloads": {s.name: _spec_json(s) for s in plan.workloads},
@@ -530,6 +576,7 @@ def _row_json(row: Row, rows: Sequence[Row], max_model_len: int) -> dict[str, ob
     return {
         **base,
         "tokens_per_s": r.tokens_per_s,
+        "tokens_per_s_rounds": list(row.rounds) or [r.tokens_per_s],
         "output_tokens": r.output_tokens,
         "num_requests": r.num_requests,
         "wall_s": r.wall_s,

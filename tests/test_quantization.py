@@ -89,18 +89,20 @@ def test_int4_packing_round_trips_and_pads_the_last_block() -> None:
 # --- the kernels -----------------------------------------------------------------------
 
 
-def _int8_groups(x: torch.Tensor, group: int) -> torch.Tensor:
+def _int8_groups(x: torch.Tensor, group: int, act_max: int = 127) -> torch.Tensor:
     """``x`` as the int4 kernel sees it: each row's groups of ``group`` inputs rounded to
     255 levels of their ``max|x| / 127`` (int4 weights multiply int8 activations; per
-    group, so a row-parallel slice of whole groups rounds as the whole row would)."""
+    group, so a row-parallel slice of whole groups rounds as the whole row would); int8's
+    integer path rounds whole rows to ``max|x| / act_max``."""
     parts = []
     for part in x.split(group, dim=1):
         amax = part.abs().amax(dim=1, keepdim=True)
         # Tensor / tensor: correctly rounded, as the kernel's 127.0f / amax (torch turns a
         # scalar / tensor into a multiply by the reciprocal, one ulp off a quarter of the
         # time, and a value then on the other side of a rounding tie moves a whole code).
-        inv = torch.where(amax > 0, torch.full_like(amax, 127.0) / amax, torch.zeros_like(amax))
-        parts.append(torch.round(part * inv) * (amax / 127.0))
+        levels = torch.full_like(amax, float(act_max))
+        inv = torch.where(amax > 0, levels / amax, torch.zeros_like(amax))
+        parts.append(torch.round(part * inv) * (amax / float(act_max)))
     return torch.cat(parts, dim=1)
 
 
@@ -180,9 +182,11 @@ def test_quantized_linear_takes_the_gemm_path_beyond_the_kernel_rows(kernels, me
     for rows in (1, MAX_KERNEL_ROWS, MAX_KERNEL_ROWS + 1, 40, INT4_KERNEL_ROWS + 1):
         x = torch.randn(rows, 70)
         int8_rows = (method is QuantMethod.INT4) == (rows <= fused)
-        group = 32 if method is QuantMethod.INT4 else 70  # int8: one scale per row
+        int4 = method is QuantMethod.INT4
+        group = 32 if int4 else 70  # int8: one scale per row
+        act_max = 127 if int4 else kernels.act_max
         expected = torch.nn.functional.linear(
-            _int8_groups(x, group) if int8_rows else x, reference, linear.bias.detach()
+            _int8_groups(x, group, act_max) if int8_rows else x, reference, linear.bias.detach()
         )
         torch.testing.assert_close(layer(x), expected, rtol=1e-4, atol=1e-4)
 
@@ -190,14 +194,18 @@ def test_quantized_linear_takes_the_gemm_path_beyond_the_kernel_rows(kernels, me
 # --- int8 activations times int8 weights (more than MAX_KERNEL_ROWS rows) ---------------
 
 
-def _w8a8_reference(x: torch.Tensor, q, bias: torch.Tensor | None) -> torch.Tensor:
-    """Plain torch: each row rounded to int8 with its own scale, an int64 product, then
-    the activation and weight scales."""
+def _w8a8_reference(
+    x: torch.Tensor, q, bias: torch.Tensor | None, act_max: int = 127
+) -> torch.Tensor:
+    """Plain torch: each row rounded to ``[-act_max, act_max]`` with its own scale, an
+    int64 product, then the activation and weight scales."""
     amax = x.abs().amax(dim=1)
-    inv = torch.where(amax > 0, torch.full_like(amax, 127.0) / amax, torch.zeros_like(amax))
+    inv = torch.where(
+        amax > 0, torch.full_like(amax, float(act_max)) / amax, torch.zeros_like(amax)
+    )
     xq = torch.round(x * inv[:, None]).to(torch.int64)
     acc = (xq @ q.qweight.to(torch.int64).T).to(torch.float32)
-    y = acc * (amax / 127.0)[:, None] * q.scales[None, :]
+    y = acc * (amax / float(act_max))[:, None] * q.scales[None, :]
     return y if bias is None else y + bias
 
 
@@ -219,7 +227,7 @@ def test_int8_activation_path_equals_an_integer_reference(kernels, m: int, n: in
     w, x, bias = _weight(n, k, seed=m + n), torch.randn(m, k) * 3, torch.randn(n)
     x[5] = 0.0
     x[6, 0] = -50.0  # a row whose extreme code is -127
-    expected = _w8a8_reference(x, quantize_int8(w), bias)
+    expected = _w8a8_reference(x, quantize_int8(w), bias, kernels.act_max)
     for int_gemm in _int_gemms():
         got = _int8_layer(kernels, w, bias, int_gemm)(x)
         torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
@@ -229,18 +237,44 @@ def test_int8_activation_path_equals_an_integer_reference(kernels, m: int, n: in
 def test_native_and_torch_integer_products_are_identical(kernels) -> None:
     if not torch_int_mm_is_exact():
         pytest.skip("torch._int_mm is not exact on this CPU (the native kernel is used)")
-    g = torch.Generator().manual_seed(3)
+    g, a = torch.Generator().manual_seed(3), kernels.act_max
     for m, k, n in ((17, 70, 37), (64, 768, 130), (300, 257, 64)):
-        xq = torch.randint(-127, 128, (m, k), generator=g, dtype=torch.int8)
+        xq = torch.randint(-a, a + 1, (m, k), generator=g, dtype=torch.int8)
         q = torch.randint(-127, 128, (n, k), generator=g, dtype=torch.int8)
-        xq[0], q[0] = 127, -127  # the extremes, where a saturating product would show
-        xq[1] = -127
+        xq[0], q[0] = a, -127  # the extremes, where a saturating product would show
+        xq[1] = -a
         native = kernels.int8_int8_matmul(xq, q)
         assert torch.equal(native, torch._int_mm(xq, q.t()))
         assert torch.equal(native.long(), xq.long() @ q.long().T)
         sx, scales, bias = torch.rand(m), torch.rand(n), torch.randn(n)
         fused = kernels.int8_int8_linear(xq, sx, q, scales, bias)
         assert torch.equal(fused, kernels.rescale(native.clone(), sx, scales, bias))
+
+
+def test_the_integer_product_is_exact_at_the_extreme_codes(kernels) -> None:
+    """Every sign pair of the largest codes (where a u8 x s8 pair sum would saturate in
+    int16 with AVX2's full int8 range), odd shapes with vector tails, on every build."""
+    a = kernels.act_max
+    assert a == (64 if kernels.isa is Isa.AVX2 else 127)
+    for m, k, n in ((17, 70, 37), (20, 97, 5)):
+        for xs, ws in ((a, 127), (-a, 127), (a, -127), (-a, -127)):
+            xq = torch.full((m, k), xs, dtype=torch.int8)
+            q = torch.full((n, k), ws, dtype=torch.int8)
+            q[1::2] = -q[1::2]  # mixed signs within one product too
+            expected = xq.long() @ q.long().T
+            assert torch.equal(kernels.int8_int8_matmul(xq, q).long(), expected)
+            wsum = kernels.weight_sums(q)
+            assert torch.equal(wsum.long(), q.long().sum(1))
+            assert torch.equal(kernels.int8_int8_matmul(xq, q, wsum).long(), expected)
+
+
+def test_activation_codes_stay_within_the_builds_range(kernels) -> None:
+    x = torch.randn(33, 130) * 5
+    x[3, 7] = -1000.0
+    xq, sx = kernels.quantize_rows(x)
+    assert int(xq.abs().max()) == kernels.act_max
+    assert xq[3, 7] == -kernels.act_max
+    torch.testing.assert_close(xq.float() * sx[:, None], x, rtol=0, atol=float(sx.max()) / 2)
 
 
 def test_a_slice_of_each_row_rounds_as_the_whole_row_with_the_rows_maximum(kernels) -> None:

@@ -136,12 +136,20 @@ class QuantKernels:
             [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 3 + [ctypes.c_void_p, ctypes.c_int]
         )
         self._int8_int8 = library.tandem_int8_int8_matmul
-        self._int8_int8.restype = None
+        self._int8_int8.restype = ctypes.c_int
         self._int8_int8.argtypes = (
             [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64]
-            + [ctypes.c_void_p] * 4
+            + [ctypes.c_void_p] * 5
             + [ctypes.c_int]
         )
+        self._wsum = library.tandem_int8_weight_sums
+        self._wsum.restype = None
+        self._wsum.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p]
+        act_max = library.tandem_int8_act_max
+        act_max.restype = ctypes.c_int
+        self.act_max: int = act_max()
+        """The largest activation code this build's integer product takes (``quantize_rows``
+        rounds to ``[-act_max, act_max]``): 127, or 64 with AVX2 (``csrc``, W8A8)."""
         self._rescale = library.tandem_int8_rescale
         self._rescale.restype = None
         self._rescale.argtypes = (
@@ -228,8 +236,8 @@ class QuantKernels:
         self, x: torch.Tensor, amax: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """``(xq, sx)``: ``x [m, k]`` rounded per row to int8, ``x ~ sx[:, None] * xq``,
-        with ``sx = a / 127`` and ``xq = round(x * (127 / a))`` (ties to even; ``a = 0``
-        gives zeros), ``a`` each row's ``max |x|``, or ``amax [m]`` when given (a
+        with ``sx = a / act_max`` and ``xq = round(x * (act_max / a))`` (ties to even;
+        ``a = 0`` gives zeros), ``a`` each row's ``max |x|``, or ``amax [m]`` when given (a
         row-parallel slice: the maximum over the whole row)."""
         m, k = x.shape
         xq = torch.empty(m, k, dtype=torch.int8)
@@ -245,23 +253,21 @@ class QuantKernels:
         )
         return xq, sx
 
-    def int8_int8_matmul(self, xq: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
-        """The exact int32 ``xq [m, k] @ q.T`` of two int8 matrices (``q`` ``[n, k]``)."""
-        m, k = xq.shape
-        acc = torch.empty(m, q.shape[0], dtype=torch.int32)
-        self._int8_int8(
-            xq.data_ptr(),
-            m,
-            k,
-            q.data_ptr(),
-            q.shape[0],
-            acc.data_ptr(),
-            None,
-            None,
-            None,
-            torch.get_num_threads(),
-        )
-        return acc
+    def weight_sums(self, q: torch.Tensor) -> torch.Tensor:
+        """``q.sum(1)`` of an int8 ``[n, k]`` weight as int32 ``[n]``: what the integer
+        product needs besides the weight (``int8_int8_matmul``); keep it with the weight."""
+        n, k = q.shape
+        wsum = torch.empty(n, dtype=torch.int32)
+        self._wsum(q.data_ptr(), n, k, wsum.data_ptr())
+        return wsum
+
+    def int8_int8_matmul(
+        self, xq: torch.Tensor, q: torch.Tensor, wsum: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """The exact int32 ``xq [m, k] @ q.T`` of two int8 matrices (``q`` ``[n, k]``, codes
+        of ``xq`` within ``+-act_max``; ``wsum``: ``weight_sums(q)``, computed if not
+        given)."""
+        return self._integer_product(xq, q, wsum, None, None, None)
 
     def int8_int8_linear(
         self,
@@ -270,24 +276,41 @@ class QuantKernels:
         q: torch.Tensor,
         scales: torch.Tensor,
         bias: torch.Tensor | None,
+        wsum: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """``rescale(int8_int8_matmul(xq, q), sx, scales, bias)`` in one pass."""
+        return self._integer_product(xq, q, wsum, sx, scales, bias).view(torch.float32)
+
+    def _integer_product(
+        self,
+        xq: torch.Tensor,
+        q: torch.Tensor,
+        wsum: torch.Tensor | None,
+        sx: torch.Tensor | None,
+        scales: torch.Tensor | None,
+        bias: torch.Tensor | None,
+    ) -> torch.Tensor:
         m, k = xq.shape
         n = q.shape[0]
+        if wsum is None:
+            wsum = self.weight_sums(q)
         acc = torch.empty(m, n, dtype=torch.int32)
-        self._int8_int8(
+        status = self._int8_int8(
             xq.data_ptr(),
             m,
             k,
             q.data_ptr(),
             n,
+            wsum.data_ptr(),
             acc.data_ptr(),
-            sx.data_ptr(),
-            scales.data_ptr(),
+            _ptr(sx),
+            _ptr(scales),
             _ptr(bias),
             torch.get_num_threads(),
         )
-        return acc.view(torch.float32)
+        if status != 0:
+            raise MemoryError("int8 matmul: could not allocate its unsigned activation codes")
+        return acc
 
     def rescale(
         self,

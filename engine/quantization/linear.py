@@ -4,9 +4,11 @@ A ``QuantizedLinear`` holds a ``QuantizedWeight`` (``scheme``) and multiplies wi
 native kernels: up to ``MAX_KERNEL_ROWS`` rows (decodes, small batches, speculative
 verifications) in the fused dequantize-and-multiply kernel, which reads the weight once
 at 1 or 0.5 bytes per value. More rows (batched decodes, prefill chunks) are
-compute-bound: int8 rounds each row of activations to int8 (one scale per row) and
-multiplies integers, exactly, with ``torch._int_mm`` or the native kernel (``IntGemm``,
-chosen once per model: ``TANDEM_INT8_GEMM=native`` forces the native one). int4 keeps
+compute-bound: int8 rounds each row of activations to int8 (one scale per row; codes in
+``[-127, 127]``, or ``[-64, 64]`` with the AVX2 build, whose byte products saturate
+beyond: ``QuantKernels.act_max``) and multiplies integers, exactly, with
+``torch._int_mm`` or the native kernel (``IntGemm``, chosen once per model:
+``TANDEM_INT8_GEMM=native`` forces the native one). int4 keeps
 its fused kernel (int8 activations per group, integer dot products) up to
 ``INT4_KERNEL_ROWS`` rows and beyond that dequantizes its weight to float32 in C and
 runs a float GEMM.
@@ -92,6 +94,7 @@ class QuantizedLinear(nn.Module):
         self.register_buffer("scales", weight.scales)
         self.register_buffer("zeros", weight.zeros)
         self.register_buffer("bias", None if bias is None else bias.detach().float().contiguous())
+        self._weight_sums: torch.Tensor | None = None  # the native integer product's, lazily
 
     @property
     def weight_bytes(self) -> int:
@@ -139,7 +142,11 @@ class QuantizedLinear(nn.Module):
         if self.int_gemm is IntGemm.TORCH:
             acc = torch._int_mm(xq, self.qweight.t())
             return self.kernels.rescale(acc, sx, self.scales, self.bias)
-        return self.kernels.int8_int8_linear(xq, sx, self.qweight, self.scales, self.bias)
+        if self._weight_sums is None:
+            self._weight_sums = self.kernels.weight_sums(self.qweight)
+        return self.kernels.int8_int8_linear(
+            xq, sx, self.qweight, self.scales, self.bias, self._weight_sums
+        )
 
     def load_part(self, leaf: str, tensor: CheckpointSlice, shard: int | None) -> None:
         """Fill buffer ``leaf`` (qweight, scales, zeros, bias) from stacked checkpoint
@@ -164,6 +171,7 @@ class QuantizedLinear(nn.Module):
                 f"checkpoint {leaf} has shape {tuple(source.shape)}, expected {tuple(dest.shape)}"
             )
         dest.copy_(source)
+        self._weight_sums = None
 
     def extra_repr(self) -> str:
         group = f", group_size={self.group_size}" if self.method is QuantMethod.INT4 else ""

@@ -376,96 +376,152 @@ void tandem_int4_dequantize(const uint8_t *q, const float *scales, const uint8_t
 
 /* ---- int8 weights times int8 activations (W8A8), for more than 16 rows ------------------
  *
- * The activations are rounded per row, x ~ sx[r] * xq[r, :], sx = max|x[r]| / 127 and
- * xq = round(x * (127 / max|x[r]|)) in [-127, 127] (a zero row: sx = 0, xq = 0), and
+ * The activations are rounded per row, x ~ sx[r] * xq[r, :], sx = max|x[r]| / ACT_MAX and
+ * xq = round(x * (ACT_MAX / max|x[r]|)) in [-ACT_MAX, ACT_MAX] (a zero row: sx = 0,
+ * xq = 0), and
  *
  *   y[r, j] = (float)(sum_i xq[r, i] * q[j, i]) * sx[r] * s[j] + bias[j]
  *
- * The integer sums are exact (int32: at most 127 * 127 * k), so their order does not
+ * The integer sums are exact (int32: at most 128 * 127 * k), so their order does not
  * matter and a row's result depends on neither its batch nor the thread count.
  *
- * No x86 instruction multiplies signed by signed bytes, so each product is taken as
- * |x| (unsigned, <= 127) times w with x's sign moved onto it (|w| <= 127 too): AVX2
- * vpsignb, then vpmaddubsw (adds pairs into int16: at most 2 * 127 * 127, no saturation)
- * and vpmaddwd by ones into int32; AVX-512 negates w under the mask of x's sign bits and
- * vpdpbusd adds groups of four straight into int32. A register block is IROWS rows of xq
- * times ICOLS weight rows, so each weight vector serves IROWS rows and each activation
- * vector ICOLS columns. */
-#define IROWS 4
+ * x86's byte products take one unsigned and one signed operand, so the activations are
+ * moved up by OFFSET into unsigned bytes once per call, u = xq + OFFSET, and
+ *
+ *   sum_i xq[r, i] * q[j, i] = sum_i u[r, i] * q[j, i] - OFFSET * wsum[j]
+ *
+ * with wsum[j] = sum_i q[j, i]. The inner loop is then nothing but products:
+ * - AVX-512 VNNI: vpdpbusd adds four u8 x s8 products straight into int32, so any code
+ *   fits: ACT_MAX = 127, OFFSET = 128.
+ * - AVX2: vpmaddubsw adds pairs of products into int16 and saturates beyond 32767, so u
+ *   must stay <= 128 (2 * 128 * 127 = 32512): ACT_MAX = 64, OFFSET = 64 (129 levels per
+ *   row instead of 255, the "reduced range" other x86 int8 engines use on AVX2 for the
+ *   same reason); vpmaddwd by ones widens to int32. Taking |x| and moving x's sign onto
+ *   the weight instead keeps 8 bits but costs two more instructions per product vector,
+ *   half again the time.
+ * - portable: plain int32 dot products of the codes, ACT_MAX = 127.
+ *
+ * A register block is IROWS rows of u times ICOLS weight rows, so each weight vector serves
+ * IROWS rows and each activation vector ICOLS columns; its IROWS * ICOLS vector sums are
+ * reduced four at a time (reduce4). */
 #define ROW_TILE 64
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#define ACT_MAX 127
+#define OFFSET 128
 #define IVL 64
+#define IROWS 4
 #define ICOLS 4
 typedef __m512i vi;
-typedef struct { __m512i abs; __mmask64 neg; } xvec;
 static inline vi vi_zero(void) { return _mm512_setzero_si512(); }
-static inline __m512i w_load(const int8_t *p) { return _mm512_loadu_si512((const void *)p); }
-static inline xvec x_load(const int8_t *p) {
-    __m512i v = _mm512_loadu_si512((const void *)p);
-    return (xvec){_mm512_abs_epi8(v), _mm512_movepi8_mask(v)};
+static inline vi vi_load(const void *p) { return _mm512_loadu_si512(p); }
+static inline vi vi_dot(vi acc, vi u, vi w) { return _mm512_dpbusd_epi32(acc, u, w); }
+static inline __m256i vi_half(vi a) {
+    return _mm256_add_epi32(_mm512_castsi512_si256(a), _mm512_extracti64x4_epi64(a, 1));
 }
-static inline vi vi_dot(vi acc, xvec x, __m512i w) {
-    return _mm512_dpbusd_epi32(acc, x.abs, _mm512_mask_sub_epi8(w, x.neg, _mm512_setzero_si512(), w));
-}
-static inline int32_t vi_sum(vi a) { return _mm512_reduce_add_epi32(a); }
 #elif defined(__AVX2__)
+#define ACT_MAX 64
+#define OFFSET 64
 #define IVL 32
+#define IROWS 4
 #define ICOLS 2
 typedef __m256i vi;
-typedef struct { __m256i abs, sign; } xvec;
 static inline vi vi_zero(void) { return _mm256_setzero_si256(); }
-static inline __m256i w_load(const int8_t *p) { return _mm256_loadu_si256((const __m256i *)p); }
-static inline xvec x_load(const int8_t *p) {
-    __m256i v = _mm256_loadu_si256((const __m256i *)p);
-    return (xvec){_mm256_abs_epi8(v), v};
+static inline vi vi_load(const void *p) { return _mm256_loadu_si256((const __m256i *)p); }
+static inline vi vi_dot(vi acc, vi u, vi w) {
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, w), _mm256_set1_epi16(1)));
 }
-static inline vi vi_dot(vi acc, xvec x, __m256i w) {
-    __m256i pairs = _mm256_maddubs_epi16(x.abs, _mm256_sign_epi8(w, x.sign));
-    return _mm256_add_epi32(acc, _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
+static inline __m256i vi_half(vi a) { return a; }
+#else
+#define ACT_MAX 127
+#define OFFSET 0
+#define IROWS 1
+#define ICOLS 2
+#endif
+
+int tandem_int8_act_max(void) { return ACT_MAX; }
+
+#ifdef IVL
+/* The four int32 sums of four vectors. */
+static inline __m128i reduce4(vi a, vi b, vi c, vi d) {
+    __m256i ab = _mm256_hadd_epi32(vi_half(a), vi_half(b));
+    __m256i cd = _mm256_hadd_epi32(vi_half(c), vi_half(d));
+    __m256i s = _mm256_hadd_epi32(ab, cd); /* a b c d of each 128-bit half */
+    return _mm_add_epi32(_mm256_castsi256_si128(s), _mm256_extracti128_si256(s, 1));
 }
 static inline int32_t vi_sum(vi a) {
-    __m128i s = _mm_add_epi32(_mm256_castsi256_si128(a), _mm256_extracti128_si256(a, 1));
-    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4E));
-    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xB1));
-    return _mm_cvtsi128_si32(s);
+    return _mm_cvtsi128_si32(reduce4(a, vi_zero(), vi_zero(), vi_zero()));
+}
+
+#if IVL == 32
+/* The full AVX2 block, 4 rows x 2 columns, spelled out: with the generic loop below GCC
+ * kept one of the eight accumulators on the stack. */
+static inline __attribute__((always_inline)) int64_t avx2_block(const uint8_t *u, const int8_t *w,
+                                                                 int64_t k, vi *acc) {
+    const __m256i ones = _mm256_set1_epi16(1);
+    vi a0 = vi_zero(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0;
+    int64_t i = 0;
+#define PRODUCT(acc, uv, wv) acc = _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(uv, wv), ones))
+    for (; i + IVL <= k; i += IVL) {
+        vi w0 = vi_load(w + i), w1 = vi_load(w + k + i), x;
+        x = vi_load(u + i);
+        PRODUCT(a0, x, w0), PRODUCT(a1, x, w1);
+        x = vi_load(u + k + i);
+        PRODUCT(a2, x, w0), PRODUCT(a3, x, w1);
+        x = vi_load(u + 2 * k + i);
+        PRODUCT(a4, x, w0), PRODUCT(a5, x, w1);
+        x = vi_load(u + 3 * k + i);
+        PRODUCT(a6, x, w0), PRODUCT(a7, x, w1);
+    }
+#undef PRODUCT
+    acc[0] = a0, acc[1] = a1, acc[2] = a2, acc[3] = a3;
+    acc[4] = a4, acc[5] = a5, acc[6] = a6, acc[7] = a7;
+    return i;
 }
 #endif
 
-static inline float rescaled(int32_t acc, float sx, float s, float b) {
-    return (float)acc * sx * s + b;
-}
-
-#ifdef IVL
-/* out[r * ldo + c] = sum_i x[r * k + i] * w[c * k + i] for r < rows, c < cols (constants
+/* out[r * ldo + c] = sum_i u[r * k + i] * w[c * k + i] for r < rows, c < cols (constants
  * after inlining): whole vectors, then a scalar tail. */
-static inline __attribute__((always_inline)) void int8x8_block(const int8_t *x, const int8_t *w,
+static inline __attribute__((always_inline)) void int8x8_block(const uint8_t *u, const int8_t *w,
                                                                 int64_t k, int rows, int cols,
                                                                 int32_t *out, int64_t ldo) {
-    vi acc[IROWS][ICOLS];
-    for (int r = 0; r < rows; r++)
-        for (int c = 0; c < cols; c++) acc[r][c] = vi_zero();
+    vi acc[IROWS * ICOLS];
     int64_t i = 0;
+#if IVL == 32
+    if (rows == IROWS && cols == ICOLS) {
+        i = avx2_block(u, w, k, acc);
+        goto reduce;
+    }
+#endif
+    for (int t = 0; t < rows * cols; t++) acc[t] = vi_zero();
     for (; i + IVL <= k; i += IVL) {
-        __typeof__(w_load(w)) wv[ICOLS];
-        for (int c = 0; c < cols; c++) wv[c] = w_load(w + c * k + i);
+        vi wv[ICOLS];
+        for (int c = 0; c < cols; c++) wv[c] = vi_load(w + c * k + i);
         for (int r = 0; r < rows; r++) {
-            xvec xr = x_load(x + r * k + i);
-            for (int c = 0; c < cols; c++) acc[r][c] = vi_dot(acc[r][c], xr, wv[c]);
+            vi ur = vi_load(u + r * k + i);
+            for (int c = 0; c < cols; c++) acc[r * cols + c] = vi_dot(acc[r * cols + c], ur, wv[c]);
         }
     }
+#if IVL == 32
+reduce:;
+#endif
+    int32_t sums[IROWS * ICOLS];
+    int t = 0;
+    for (; t + 4 <= rows * cols; t += 4)
+        _mm_storeu_si128((__m128i *)(sums + t), reduce4(acc[t], acc[t + 1], acc[t + 2], acc[t + 3]));
+    for (; t < rows * cols; t++) sums[t] = vi_sum(acc[t]);
     for (int r = 0; r < rows; r++)
         for (int c = 0; c < cols; c++) {
-            int32_t sum = vi_sum(acc[r][c]);
-            for (int64_t t = i; t < k; t++) sum += (int32_t)x[r * k + t] * w[c * k + t];
+            int32_t sum = sums[r * cols + c];
+            for (int64_t e = i; e < k; e++) sum += (int32_t)u[r * k + e] * w[c * k + e];
             out[r * ldo + c] = sum;
         }
 }
 #else
-#define ICOLS 2
-/* Plain C (GCC vectorizes the int32 dot product). */
-static inline void int8x8_block(const int8_t *x, const int8_t *w, int64_t k, int rows,
+/* Plain C (GCC vectorizes the int32 dot product); u is the codes themselves (OFFSET 0). */
+static inline void int8x8_block(const uint8_t *u, const int8_t *w, int64_t k, int rows,
                                 int cols, int32_t *out, int64_t ldo) {
+    const int8_t *x = (const int8_t *)u;
     for (int r = 0; r < rows; r++)
         for (int c = 0; c < cols; c++) {
             int32_t sum = 0;
@@ -476,40 +532,64 @@ static inline void int8x8_block(const int8_t *x, const int8_t *w, int64_t k, int
 #endif
 
 /* Rows r0 <= r < r1 of `acc` for output channels j < j + cols (cols a constant). */
-static inline __attribute__((always_inline)) void int8x8_tile(const int8_t *xq, int64_t r0,
+static inline __attribute__((always_inline)) void int8x8_tile(const uint8_t *u, int64_t r0,
                                                                int64_t r1, int64_t k,
                                                                const int8_t *w, int cols,
                                                                int32_t *acc, int64_t n) {
     int64_t r = r0;
-    for (; r + IROWS <= r1; r += IROWS) int8x8_block(xq + r * k, w, k, IROWS, cols, acc + r * n, n);
-    for (; r < r1; r++) int8x8_block(xq + r * k, w, k, 1, cols, acc + r * n, n);
+    for (; r + IROWS <= r1; r += IROWS) int8x8_block(u + r * k, w, k, IROWS, cols, acc + r * n, n);
+    for (; r < r1; r++) int8x8_block(u + r * k, w, k, 1, cols, acc + r * n, n);
 }
 
-/* acc[r, j] = sum_i xq[r, i] * q[j, i], exactly; then, when sx is given, in place,
- * ((float *)acc)[r, j] = rescaled(acc[r, j], sx[r], scales[j], bias[j]). Threads take
- * blocks of COL_BLOCK output channels; a block goes over the rows ROW_TILE at a time, so
- * its weight rows, a tile of xq and the tile's outputs all stay in L2 (with whole rows of
- * outputs per tile, 768x6144 at 512 rows ran 1.3x slower than at 64: each output line
- * was evicted between the column pairs that fill it). */
+static inline float rescaled(int32_t acc, float sx, float s, float b) {
+    return (float)acc * sx * s + b;
+}
+
+/* wsum[j] = sum_i q[j, i] (the offset's correction; callers that multiply the same
+ * weight again keep it). */
+void tandem_int8_weight_sums(const int8_t *q, int64_t n, int64_t k, int32_t *wsum) {
+    for (int64_t j = 0; j < n; j++) {
+        int32_t sum = 0;
+        for (int64_t i = 0; i < k; i++) sum += q[j * k + i];
+        wsum[j] = sum;
+    }
+}
+
+/* acc[r, j] = sum_i xq[r, i] * q[j, i], exactly (codes within +-ACT_MAX); then, when sx is
+ * given, in place, ((float *)acc)[r, j] = rescaled(acc[r, j], sx[r], scales[j], bias[j]).
+ * wsum: tandem_int8_weight_sums of q. Threads take blocks of COL_BLOCK output channels; a
+ * block goes over the rows ROW_TILE at a time, so its weight rows, a tile of u and the
+ * tile's outputs all stay in L2 (with whole rows of outputs per tile, 768x6144 at 512
+ * rows ran 1.3x slower than at 64: each output line was evicted between the column
+ * groups that fill it). Returns -1 when the offset codes cannot be allocated. */
 #define COL_BLOCK (16 * ICOLS)
-void tandem_int8_int8_matmul(const int8_t *xq, int64_t m, int64_t k, const int8_t *q, int64_t n,
-                             int32_t *acc, const float *sx, const float *scales,
-                             const float *bias, int num_threads) {
+int tandem_int8_int8_matmul(const int8_t *xq, int64_t m, int64_t k, const int8_t *q, int64_t n,
+                            const int32_t *wsum, int32_t *acc, const float *sx,
+                            const float *scales, const float *bias, int num_threads) {
+    uint8_t *u = malloc((size_t)(m * k) + 1);
+    if (u == NULL) return -1;
+    for (int64_t i = 0; i < m * k; i++) u[i] = (uint8_t)(xq[i] + OFFSET);
     int64_t blocks = (n + COL_BLOCK - 1) / COL_BLOCK;
 #pragma omp parallel for num_threads(num_threads) if (m * n * k >= PARALLEL_MACS) schedule(static)
     for (int64_t block = 0; block < blocks; block++) {
         int64_t j0 = block * COL_BLOCK, j1 = n - j0 < COL_BLOCK ? n : j0 + COL_BLOCK;
         for (int64_t r0 = 0; r0 < m; r0 += ROW_TILE) {
             int64_t r1 = m - r0 < ROW_TILE ? m : r0 + ROW_TILE, j = j0;
-            for (; j + ICOLS <= j1; j += ICOLS) int8x8_tile(xq, r0, r1, k, q + j * k, ICOLS, acc + j, n);
-            for (; j < j1; j++) int8x8_tile(xq, r0, r1, k, q + j * k, 1, acc + j, n);
-            if (sx == NULL) continue;
+            for (; j + ICOLS <= j1; j += ICOLS) int8x8_tile(u, r0, r1, k, q + j * k, ICOLS, acc + j, n);
+            for (; j < j1; j++) int8x8_tile(u, r0, r1, k, q + j * k, 1, acc + j, n);
             float *y = (float *)acc;
             for (int64_t r = r0; r < r1; r++)
-                for (j = j0; j < j1; j++)
-                    y[r * n + j] = rescaled(acc[r * n + j], sx[r], scales[j], bias ? bias[j] : 0.0f);
+                for (j = j0; j < j1; j++) {
+                    int32_t exact = acc[r * n + j] - OFFSET * wsum[j];
+                    if (sx == NULL)
+                        acc[r * n + j] = exact;
+                    else
+                        y[r * n + j] = rescaled(exact, sx[r], scales[j], bias ? bias[j] : 0.0f);
+                }
         }
     }
+    free(u);
+    return 0;
 }
 
 /* y[r, j] = rescaled(acc[r, j], sx[r], scales[j], bias[j]); y may be acc itself. */
@@ -543,15 +623,15 @@ void tandem_row_absmax(const float *x, int64_t m, int64_t k, float *amax, int nu
     for (int64_t r = 0; r < m; r++) amax[r] = absmax(x + r * k, k);
 }
 
-/* xq[r, i] = round(x[r, i] * (127 / a)) (to nearest, ties to even) and sx[r] = a / 127,
+/* xq[r, i] = round(x[r, i] * (ACT_MAX / a)) (to nearest, ties to even) and sx[r] = a / ACT_MAX,
  * with a = amax[r], or the row's own max |x| when amax is NULL; a zero a gives zeros.
  * amax (given) is the maximum |x| over the whole row of which x holds a slice. */
 void tandem_int8_quantize_rows(const float *x, int64_t m, int64_t k, const float *amax,
                                int8_t *xq, float *sx, int num_threads) {
 #pragma omp parallel for num_threads(num_threads) if (m * k >= PARALLEL_VALUES) schedule(static)
     for (int64_t r = 0; r < m; r++) {
-        float a = amax ? amax[r] : absmax(x + r * k, k), inv = a > 0.0f ? 127.0f / a : 0.0f;
+        float a = amax ? amax[r] : absmax(x + r * k, k), inv = a > 0.0f ? (float)ACT_MAX / a : 0.0f;
         for (int64_t i = 0; i < k; i++) xq[r * k + i] = (int8_t)(int32_t)nearbyintf(x[r * k + i] * inv);
-        sx[r] = a / 127.0f;
+        sx[r] = a / (float)ACT_MAX;
     }
 }
