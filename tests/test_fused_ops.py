@@ -11,10 +11,13 @@ import pytest
 import torch
 
 from tandem.common.model_config import RopeConfig, RopeScaling
-from tandem.engine.layers.native_ops import fused_ops, native_ops_for
+from tandem.engine.layers.mlp import GatedMLP
+from tandem.engine.layers.native_ops import fused_ops, native_ops_for, use_native_ops
 from tandem.engine.layers.norm import RMSNorm
 from tandem.engine.layers.rotary import RotaryEmbedding
 from tandem.engine.native_build import supported_isas
+from tandem.engine.quantization.linear import QuantizedGatedMLP, quantize_model
+from tandem.engine.quantization.scheme import QuantizationConfig, QuantMethod
 
 pytestmark = pytest.mark.skipif(shutil.which("cc") is None, reason="no C compiler")
 
@@ -117,3 +120,41 @@ def test_native_ops_only_for_float32_on_the_cpu():
     assert native_ops_for(torch.device("cpu"), torch.float32) is not None
     assert native_ops_for(torch.device("cpu"), torch.bfloat16) is None
     assert native_ops_for(torch.device("meta"), torch.float32) is None
+
+
+# (rows..., 2n): a decode row, odd widths (vector tails), a 3-D batch, threaded calls.
+SILU_SHAPES = [(1, 6144), (3, 14), (2, 5, 66), (130, 6144), (64, 1002)]
+
+
+@pytest.mark.parametrize("shape", SILU_SHAPES, ids=str)
+def test_silu_mul_matches_torch(ops, shape):
+    gate_up = torch.randn(shape) * 4
+    gate, up = gate_up.chunk(2, dim=-1)
+    expected = torch.nn.functional.silu(gate) * up
+    got = ops.silu_mul(gate_up)
+    assert got.shape == expected.shape
+    torch.testing.assert_close(got, expected, rtol=2e-6, atol=1e-6)
+
+
+def test_silu_mul_at_the_extremes(ops):
+    """Far beyond exp's range both ways (the polynomial's input is clamped), zeros and
+    infinities of the product's other side."""
+    gate = torch.tensor([-1000.0, -90.0, -87.5, -20.0, -1e-3, 0.0, 1e-3, 20.0, 87.5, 90.0, 1e4])
+    up = torch.linspace(-3, 3, gate.numel())
+    got = ops.silu_mul(torch.cat([gate, up])[None])[0]
+    expected = torch.nn.functional.silu(gate) * up
+    torch.testing.assert_close(got, expected, rtol=2e-6, atol=1e-30)
+    assert torch.isfinite(got).all()
+
+
+def test_a_quantized_mlp_uses_the_fused_activation(ops):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(GatedMLP(64, 160))
+    quantize_model(model, QuantizationConfig(QuantMethod.INT8))
+    mlp = model[0]
+    assert isinstance(mlp, QuantizedGatedMLP) and mlp.native is None
+    x = torch.randn(40, 64)  # beyond the fused rows: the int8-activation path too
+    expected = mlp(x)
+    assert use_native_ops(model, ops) == 1
+    assert mlp.native is ops
+    torch.testing.assert_close(mlp(x), expected, rtol=1e-4, atol=1e-5)

@@ -31,6 +31,7 @@ from torch import nn
 
 from tandem.engine.layers.attention import SelfAttention
 from tandem.engine.layers.mlp import GatedMLP
+from tandem.engine.layers.native_ops import FusedOps
 from tandem.engine.native_build import select_isa
 from tandem.engine.parallel.group import TensorParallelGroup
 from tandem.engine.parallel.layers import CheckpointSlice, RowParallelLinear, Span
@@ -203,9 +204,13 @@ class QuantizedGatedMLP(nn.Module):
         self.intermediate_size = size = mlp.intermediate_size
         self.gate_up_proj = quantize(mlp.gate_up_proj, (size, size))
         self.down_proj = quantize(mlp.down_proj, (mlp.down_proj.out_features,))
+        self.native: FusedOps | None = None  # the fused SiLU-and-product (use_native_ops)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        gate_up = self.gate_up_proj(x)
+        if self.native is not None:
+            return self.down_proj(self.native.silu_mul(gate_up))
+        gate, up = gate_up.split(self.intermediate_size, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
 

@@ -100,3 +100,33 @@ int tandem_rotary_f32(const float *q, int64_t q_row_stride, int64_t q_head_strid
     }
     return status;
 }
+
+/* e^x for x in [-87, 88] (clamped), to about 1e-7 relative: x = n ln2 + r with n an
+ * integer and |r| <= ln2 / 2 (ln2 in two parts, so n ln2 is exact enough), e^r by its
+ * Taylor polynomial to r^7 (remainder below 2e-8), times 2^n built in the exponent bits.
+ * Written so that `omp simd` vectorises it (libm's expf would be one call per value); the
+ * clamp's compares become blends only with -fno-trapping-math (native_ops.py: GCC keeps
+ * branches otherwise, and the AVX2 loop then does not vectorise). */
+static inline float exp_approx(float x) {
+    x = x < -87.0f ? -87.0f : x > 88.0f ? 88.0f : x;
+    float t = x * 1.44269504f;
+    float n = (t + 12582912.0f) - 12582912.0f; /* round to nearest: 1.5 * 2^23 */
+    float r = (x - n * 0.693145752f) - n * 1.42860677e-6f;
+    float p = 1.0f + r * (1.0f + r * (0.5f + r * (1.0f / 6 + r * (1.0f / 24 + r * (1.0f / 120 +
+              r * (1.0f / 720 + r * (1.0f / 5040)))))));
+    union { int32_t i; float f; } scale = {.i = ((int32_t)n + 127) << 23};
+    return p * scale.f;
+}
+
+/* out[r, j] = silu(gu[r, j]) * gu[r, n + j], silu(g) = g / (1 + e^-g): the gated MLP's
+ * activation over a [rows, 2n] gate_up product (gate first), one pass instead of torch's
+ * silu, a product and their temporaries. */
+void tandem_silu_mul_f32(const float *gu, float *out, int64_t rows, int64_t n, int threads) {
+#pragma omp parallel for num_threads(threads) if (rows * n >= PARALLEL_MIN) schedule(static)
+    for (int64_t r = 0; r < rows; r++) {
+        const float *gate = gu + r * 2 * n, *up = gate + n;
+        float *o = out + r * n;
+#pragma omp simd
+        for (int64_t j = 0; j < n; j++) o[j] = gate[j] / (1.0f + exp_approx(-gate[j])) * up[j];
+    }
+}
