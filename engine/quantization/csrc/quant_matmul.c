@@ -459,42 +459,35 @@ static inline int32_t vi_sum(vi a) {
  * measured on workload A's shapes). */
 static inline __attribute__((always_inline)) int64_t avx2_block(const uint8_t *u, const int8_t *w,
                                                                  int64_t k, vi *acc) {
-    const __m256i ones = _mm256_set1_epi16(1);
     vi a0 = vi_zero(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0;
     int64_t i = 0;
-#define PRODUCT(acc, uv, wv) acc = _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(uv, wv), ones))
     for (; i + IVL <= k; i += IVL) {
         vi x0 = vi_load(u + i), x1 = vi_load(u + k + i), wv;
         wv = vi_load(w + i);
-        PRODUCT(a0, x0, wv), PRODUCT(a4, x1, wv);
+        a0 = vi_dot(a0, x0, wv), a4 = vi_dot(a4, x1, wv);
         wv = vi_load(w + k + i);
-        PRODUCT(a1, x0, wv), PRODUCT(a5, x1, wv);
+        a1 = vi_dot(a1, x0, wv), a5 = vi_dot(a5, x1, wv);
         wv = vi_load(w + 2 * k + i);
-        PRODUCT(a2, x0, wv), PRODUCT(a6, x1, wv);
+        a2 = vi_dot(a2, x0, wv), a6 = vi_dot(a6, x1, wv);
         wv = vi_load(w + 3 * k + i);
-        PRODUCT(a3, x0, wv), PRODUCT(a7, x1, wv);
+        a3 = vi_dot(a3, x0, wv), a7 = vi_dot(a7, x1, wv);
     }
-#undef PRODUCT
     acc[0] = a0, acc[1] = a1, acc[2] = a2, acc[3] = a3;
     acc[4] = a4, acc[5] = a5, acc[6] = a6, acc[7] = a7;
     return i;
 }
 #endif
 
-/* out[r * ldo + c] = sum_i u[r * k + i] * w[c * k + i] for r < rows, c < cols (constants
- * after inlining): whole vectors, then a scalar tail. */
-static inline __attribute__((always_inline)) void int8x8_block(const uint8_t *u, const int8_t *w,
-                                                                int64_t k, int rows, int cols,
-                                                                int32_t *out, int64_t ldo) {
-    vi acc[IROWS * ICOLS];
-    int64_t i = 0;
+/* acc[r * cols + c] = the vector sums of u[r * k + i] * w[c * k + i] over whole vectors of
+ * i, for r < rows, c < cols (constants after inlining); returns where the vectors ended. */
+static inline __attribute__((always_inline)) int64_t products(const uint8_t *u, const int8_t *w,
+                                                               int64_t k, int rows, int cols,
+                                                               vi *acc) {
 #if IVL == 32
-    if (rows == IROWS && cols == ICOLS) {
-        i = avx2_block(u, w, k, acc);
-        goto reduce;
-    }
+    if (rows == IROWS && cols == ICOLS) return avx2_block(u, w, k, acc);
 #endif
     for (int t = 0; t < rows * cols; t++) acc[t] = vi_zero();
+    int64_t i = 0;
     for (; i + IVL <= k; i += IVL) {
         vi wv[ICOLS];
         for (int c = 0; c < cols; c++) wv[c] = vi_load(w + c * k + i);
@@ -503,9 +496,16 @@ static inline __attribute__((always_inline)) void int8x8_block(const uint8_t *u,
             for (int c = 0; c < cols; c++) acc[r * cols + c] = vi_dot(acc[r * cols + c], ur, wv[c]);
         }
     }
-#if IVL == 32
-reduce:;
-#endif
+    return i;
+}
+
+/* out[r * ldo + c] = sum_i u[r * k + i] * w[c * k + i] for r < rows, c < cols (constants
+ * after inlining): whole vectors, then a scalar tail. */
+static inline __attribute__((always_inline)) void int8x8_block(const uint8_t *u, const int8_t *w,
+                                                                int64_t k, int rows, int cols,
+                                                                int32_t *out, int64_t ldo) {
+    vi acc[IROWS * ICOLS];
+    int64_t i = products(u, w, k, rows, cols, acc);
     int32_t sums[IROWS * ICOLS];
     int t = 0;
     for (; t + 4 <= rows * cols; t += 4)
