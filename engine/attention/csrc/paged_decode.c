@@ -13,7 +13,10 @@
  * query heads of the group (one load or decode of a key feeds every head of the tile;
  * four positions' dot products share one reduction tree), takes the softmax, then streams
  * the values with the tile's output accumulators held in registers; rows are prefetched
- * PREFETCH_ROWS ahead (blocks lie anywhere in the pool).
+ * PREFETCH_ROWS ahead (blocks lie anywhere in the pool). When a task is a whole row, its
+ * first KV head prefetches every head's bytes of each position (the cache row), so the
+ * other heads find them in cache: float32, 64 rows of 208 positions, 4 KV heads of 64,
+ * 5-11% less time than prefetching each head's own bytes (int8 unchanged).
  * Sizes that matter (head_dim / VL chunks, the tile's head count, the cache format) are
  * compile-time constants of specialised copies of one inlined body; other head dims take
  * the same body with run-time counts and a scalar tail.
@@ -213,6 +216,7 @@ typedef struct {
     const uint8_t *k, *v; /* this KV head's row at cache offset 0 (byte address) */
     const int64_t *offs;  /* byte offset of each visible position's row, n of them */
     int64_t n, head_dim;
+    int64_t prefetch; /* bytes of each row to ask for ahead of use */
     float scale;
     float *scores; /* scratch, [MAX_TILE][n] */
     float *out;    /* the tile's first output head */
@@ -235,7 +239,7 @@ INLINE void prefetch_row(const uint8_t *base, const int64_t *offs, int64_t i, in
  * at a time, their dot products' lane sums reduced together (vsum4). */
 INLINE void tile_scores(const int kind, const int64_t nch, const int64_t T, const Tile *t,
                         const int64_t hd) {
-    const int64_t n = t->n, bytes = hd * (kind == KIND_F32 ? 4 : 1) + 4;
+    const int64_t n = t->n;
     int64_t i = 0;
     for (; nch > 0 && hd == nch * VL && i + 4 <= n; i += 4) {
         vf acc[MAX_TILE][4];
@@ -243,7 +247,7 @@ INLINE void tile_scores(const int kind, const int64_t nch, const int64_t T, cons
 #pragma GCC unroll 4
         for (int64_t p = 0; p < 4; p++) {
             const uint8_t *k = t->k + t->offs[i + p];
-            prefetch_row(t->k, t->offs, i + p + PREFETCH_ROWS, n, bytes);
+            prefetch_row(t->k, t->offs, i + p + PREFETCH_ROWS, n, t->prefetch);
             vf kv[MAX_CHUNKS];
 #pragma GCC unroll 16
             for (int64_t c = 0; c < nch; c++) kv[c] = load_chunk(kind, k, c * VL);
@@ -266,7 +270,7 @@ INLINE void tile_scores(const int kind, const int64_t nch, const int64_t T, cons
     }
     for (; i < n; i++) {
         const uint8_t *k = t->k + t->offs[i];
-        prefetch_row(t->k, t->offs, i + PREFETCH_ROWS, n, bytes);
+        prefetch_row(t->k, t->offs, i + PREFETCH_ROWS, n, t->prefetch);
         vf kv[MAX_CHUNKS];
 #pragma GCC unroll 16
         for (int64_t c = 0; c < nch; c++) kv[c] = load_chunk(kind, k, c * VL);
@@ -311,7 +315,7 @@ INLINE void tile_values(const int kind, const int64_t nch, const int64_t T, cons
     }
     for (int64_t i = 0; i < n; i++) {
         const uint8_t *v = t->v + t->offs[i];
-        prefetch_row(t->v, t->offs, i + PREFETCH_ROWS, n, hd * (kind == KIND_F32 ? 4 : 1) + 4);
+        prefetch_row(t->v, t->offs, i + PREFETCH_ROWS, n, t->prefetch);
         vf vv[MAX_CHUNKS];
 #pragma GCC unroll 16
         for (int64_t c = 0; c < nch; c++) vv[c] = load_chunk(kind, v, c * VL);
@@ -457,6 +461,7 @@ static int paged_decode(int kind, const float *q, const void *k_cache, const voi
                     .offs = offs,
                     .n = n,
                     .head_dim = head_dim,
+                    .prefetch = split == 1 && g == 0 ? row_bytes : width,
                     .scale = scale,
                     .scores = scores,
                     .out = out + (b * num_heads + g * group) * head_dim,
