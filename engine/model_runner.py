@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from tandem.common.model_config import ModelConfig
+from tandem.engine import hugepages
 from tandem.engine.attention.base import AttentionBackendKind, make_backend
 from tandem.engine.attention.kv_quant import KVCacheDtype, cache_row
 from tandem.engine.layers.linear import LinearBackend, pack_linear_layers
@@ -113,15 +114,15 @@ class ModelRunner:
         """Set by the engine once a request is constrained (see ``engine.structured``)."""
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
-        """Zero-filled, so padding slots never hold NaNs that a masked read could pick up.
-        On rank 0 of a replica, the other ranks allocate theirs too."""
+        """Zero-filled, so padding slots never hold NaNs that a masked read could pick up;
+        on the CPU, on transparent huge pages where Linux gives them (``hugepages``). On
+        rank 0 of a replica, the other ranks allocate theirs too."""
         if self._plans is not None and self.tp.is_first:
             self._plans.send(PlanKind.ALLOCATE_KV, num_blocks)
         lay = self.layout
         shape = (2, num_blocks, lay.block_size, lay.num_kv_heads, lay.row_width)
         self.kv_caches = [
-            torch.zeros(shape, dtype=lay.storage_dtype, device=self.device)
-            for _ in range(lay.num_layers)
+            hugepages.zeros(shape, lay.storage_dtype, self.device) for _ in range(lay.num_layers)
         ]
 
     def unpack_on_ranks(self, pull_id: int, block_ids: Sequence[int]) -> None:

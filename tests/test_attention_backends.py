@@ -83,3 +83,28 @@ def test_backend_writes_new_keys_and_values_at_their_slots(kind) -> None:
     flat_v = written[1].view(-1, 2, 16)
     torch.testing.assert_close(flat_k[meta.slot_mapping], k, rtol=0, atol=0)
     torch.testing.assert_close(flat_v[meta.slot_mapping], v, rtol=0, atol=0)
+
+
+@pytest.mark.skipif(AttentionBackendKind.CPU not in KINDS, reason="native kernel unavailable")
+@pytest.mark.parametrize("heads,kv_heads,dim", [(12, 4, 64), (6, 1, 32), (5, 5, 20)])
+@pytest.mark.parametrize("window", [None, 9])
+def test_native_decode_rows_do_not_depend_on_how_threads_share_them(
+    heads: int, kv_heads: int, dim: int, window
+) -> None:
+    # Enough decode rows that each thread takes a run of whole rows (and asks for its next
+    # row while computing the current one), of very different lengths so the runs differ
+    # in row count; with 1, 2 and 3 threads every row is the reference's, and the same bits.
+    rng = random.Random(dim)
+    seq_lens = [rng.choice([1, 2, 3, 17, 40, 95]) for _ in range(29)]
+    q, k, v, cache, meta = _batch([1] * len(seq_lens), seq_lens, heads, kv_heads, dim, seed=dim)
+    expected = _run(AttentionBackendKind.TORCH, q, k, v, cache, meta, window)
+    threads = torch.get_num_threads()
+    got = {}
+    try:
+        for n in (1, 2, 3):
+            torch.set_num_threads(n)
+            got[n] = _run(AttentionBackendKind.CPU, q, k, v, cache, meta, window)
+    finally:
+        torch.set_num_threads(threads)
+    torch.testing.assert_close(got[1], expected, rtol=1e-4, atol=1e-5)
+    assert torch.equal(got[2], got[1]) and torch.equal(got[3], got[1])
