@@ -9,6 +9,7 @@ import random
 import pytest
 import torch
 
+from tandem.engine.attention import cpu_paged
 from tandem.engine.attention.base import AttentionBackendKind, make_backend, native_cpu_available
 from tandem.engine.attention.metadata import AttentionMetadata
 
@@ -62,10 +63,16 @@ if native_cpu_available(torch.device("cpu"), torch.float32):
 @pytest.mark.parametrize("kind", KINDS, ids=lambda k: k.value)
 @pytest.mark.parametrize("heads,kv_heads,dim", [(4, 2, 16), (6, 1, 32), (4, 4, 64), (8, 2, 128)])
 @pytest.mark.parametrize("window", [None, 5])
-def test_backend_matches_reference(kind, heads: int, kv_heads: int, dim: int, window) -> None:
-    # 3 decodes (contexts 1, 7, 23), then prefill chunks: fresh, after a prefix, a full one.
-    q_lens = [1, 1, 1, 6, 5, 9]
-    seq_lens = [1, 7, 23, 6, 12, 9]
+@pytest.mark.parametrize("kernel_seq_len", [cpu_paged.KERNEL_SEQ_LEN, 30])
+def test_backend_matches_reference(
+    kind, heads: int, kv_heads: int, dim: int, window, kernel_seq_len, monkeypatch
+) -> None:
+    # 3 decodes (contexts 1, 7, 23), then prefill chunks: fresh, after a prefix, a full one,
+    # and two longer than the kernel always takes (17, 40 tokens): through the kernel as
+    # rows while their sequences (17 and 45 positions) are short, else (over 30) SDPA.
+    monkeypatch.setattr(cpu_paged, "KERNEL_SEQ_LEN", kernel_seq_len)
+    q_lens = [1, 1, 1, 6, 5, 9, 17, 40]
+    seq_lens = [1, 7, 23, 6, 12, 9, 17, 45]
     q, k, v, cache, meta = _batch(q_lens, seq_lens, heads, kv_heads, dim, seed=heads + dim)
     expected = _run(AttentionBackendKind.TORCH, q, k, v, cache, meta, window)
     got = _run(kind, q, k, v, cache, meta, window)

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from tandem.engine import LLM, SamplingParams
+from tandem.engine.attention import cpu_paged
 from tandem.engine.attention.base import AttentionBackendKind, make_backend, native_cpu_available
 from tandem.engine.attention.kv_quant import KVCacheDtype, QuantizedKV
 from tandem.engine.attention.native import paged_decode_library
@@ -75,11 +76,14 @@ if native_cpu_available(torch.device("cpu"), torch.float32):
     "heads,kv_heads,dim", [(4, 2, 16), (6, 1, 32), (8, 2, 64), (4, 2, 128), (5, 1, 80)]
 )
 @pytest.mark.parametrize("window", [None, 5])
+@pytest.mark.parametrize("kernel_seq_len", [cpu_paged.KERNEL_SEQ_LEN, 16])
 def test_backend_matches_reference_over_a_quantized_cache(
-    kv_dtype, kind, heads: int, kv_heads: int, dim: int, window
+    kv_dtype, kind, heads: int, kv_heads: int, dim: int, window, kernel_seq_len, monkeypatch
 ) -> None:
-    # Decodes (odd contexts), chunks the kernel takes (3, 16 tokens; one after a cached
-    # prefix) and ones it leaves to SDPA (17, 20), blocks scattered through the pool.
+    # Decodes (odd contexts), chunks the kernel always takes (3, 16 tokens; one after a
+    # cached prefix) and ones (17, 20) it takes only while their sequences are short, here
+    # the 30- and 20-position ones, else SDPA; blocks scattered through the pool.
+    monkeypatch.setattr(cpu_paged, "KERNEL_SEQ_LEN", kernel_seq_len)
     q_lens = [1, 1, 1, 3, 16, 17, 20]
     seq_lens = [1, 7, 23, 12, 16, 30, 20]
     batch = _quantized_batch(q_lens, seq_lens, heads, kv_heads, dim, kv_dtype, heads + dim)

@@ -529,9 +529,11 @@ static void attend_run(const Call *c, int64_t lo, int64_t hi, int ask_ahead, flo
             const int64_t steps = 2 * (c->num_kv_heads - 1) * (n > 0 ? n : 1);
             ahead.per_step = (lines + steps - 1) / steps;
         }
+        /* Rows of one prefill chunk read the same blocks: nothing to ask for. */
+        const int ask = has_next && ahead.n > 0 && !(n > 0 && next_offs[0] == offs[0]);
         for (int64_t g = 0; g < c->num_kv_heads && n > 0; g++)
             attend(c, b, g, offs, n, g == 0 ? c->row_bytes : c->width, scores,
-                   has_next && g > 0 && ahead.n > 0 ? &ahead : NULL);
+                   ask && g > 0 ? &ahead : NULL);
         if (has_next) {
             int64_t *swap = offs;
             offs = next_offs, next_offs = swap, n = ahead.n;
