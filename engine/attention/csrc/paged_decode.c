@@ -499,13 +499,18 @@ static void attend(const Call *c, int64_t b, int64_t g, const int64_t *offs, int
     c->fn(t, c->group);
 }
 
+/* How many positions row b attends to. */
+static int64_t visible_len(const Call *c, int64_t b) {
+    return c->seq_lens[b] - visible_start(c->seq_lens[b], c->window);
+}
+
 /* The rows [lo, hi) whose middle, in visible positions, falls in thread `tid`'s share. */
 static void thread_rows(const Call *c, int64_t num_seqs, int64_t total, int64_t tid, int64_t nt,
                         int64_t *lo, int64_t *hi) {
     *lo = *hi = num_seqs;
     int64_t before = 0;
     for (int64_t b = 0; b < num_seqs; b++) {
-        const int64_t len = c->seq_lens[b] - visible_start(c->seq_lens[b], c->window);
+        const int64_t len = visible_len(c, b);
         const int64_t owner = total > 0 ? (2 * before + len) * nt / (2 * total) : b * nt / num_seqs;
         if (owner == tid && *lo == num_seqs) *lo = b;
         if (owner > tid) {
@@ -575,8 +580,7 @@ static int paged_decode(int kind, const float *q, const void *k_cache, const voi
     const int whole_rows = num_seqs >= 4 * num_threads;
     const int ask_ahead = kind == KIND_F32 || VL >= 16;
     int64_t total = 0;
-    for (int64_t b = 0; whole_rows && b < num_seqs; b++)
-        total += seq_lens[b] - visible_start(seq_lens[b], window);
+    for (int64_t b = 0; whole_rows && b < num_seqs; b++) total += visible_len(&c, b);
     int failed = 0;
 #pragma omp parallel num_threads(num_threads)
     {
