@@ -99,8 +99,8 @@ class ModelRunner:
         self.model = load_model(
             model_dir, model_config, layout.dtype, device, self.tp, quantization
         )
-        if linear_backend is LinearBackend.ONEDNN:
-            pack_linear_layers(self.model)
+        if linear_backend is not LinearBackend.TORCH:
+            pack_linear_layers(self.model, linear_backend)
         native_ops = native_ops_for(device, layout.dtype)
         if native_ops is not None:
             use_native_ops(self.model, native_ops)

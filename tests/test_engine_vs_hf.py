@@ -111,55 +111,85 @@ def test_reference_backend_matches(arch: str, reference, prompts) -> None:
     assert_pool_idle(llm)
 
 
-@pytest.mark.parametrize("arch", ARCHS)
-def test_both_linear_backends_match(arch: str, reference, prompts) -> None:
-    """Tiny models default to plain torch GEMMs (``ONEDNN_MIN_HIDDEN_SIZE``); the packed
-    oneDNN path, the default for bigger ones, must give the same tokens."""
+def _packed_backends() -> list[str]:
     from tandem.engine.layers.linear import onednn_supports
+    from tandem.engine.layers.native_gemm import native_gemm_supported
 
-    if not onednn_supports(torch.device("cpu"), torch.float32):
-        pytest.skip("oneDNN linear is unavailable in this torch build")
+    cpu = torch.device("cpu")
+    return [
+        *(["onednn"] if onednn_supports(cpu, torch.float32) else []),
+        *(["native"] if native_gemm_supported() else []),
+    ]
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_every_linear_backend_matches(arch: str, reference, prompts) -> None:
+    """Tiny models default to plain torch GEMMs (``ONEDNN_MIN_HIDDEN_SIZE``); the packed
+    paths, oneDNN and the native AVX2 GEMM, the defaults for bigger ones, must give the
+    same tokens (Qwen2 has q/k/v biases, so the native epilogue's bias is covered)."""
     model_dir, expected = reference(arch)
-    for backend in ("onednn", "torch"):
+    for backend in ("torch", *_packed_backends()):
         llm = LLM(model_dir, dtype="float32", num_kv_blocks=256, linear_backend=backend)
         assert [o.token_ids for o in llm.generate(prompts, GREEDY)] == expected, backend
         assert_pool_idle(llm)
 
 
-def test_linear_backend_follows_the_model_size() -> None:
+def test_linear_backend_follows_the_model_size_and_the_cpu(monkeypatch) -> None:
     from tandem.engine.layers.linear import (
         ONEDNN_MIN_HIDDEN_SIZE,
         LinearBackend,
         onednn_supports,
         select_linear_backend,
     )
+    from tandem.engine.layers.native_gemm import native_gemm_supported
+    from tandem.engine.native_build import ISA_ENV, Isa, supported_isas
 
     cpu = torch.device("cpu")
     small = select_linear_backend(None, cpu, torch.float32, ONEDNN_MIN_HIDDEN_SIZE - 1)
     assert small is LinearBackend.TORCH
-    big = select_linear_backend(None, cpu, torch.float32, ONEDNN_MIN_HIDDEN_SIZE)
     supported = onednn_supports(cpu, torch.float32)
-    assert big is (LinearBackend.ONEDNN if supported else LinearBackend.TORCH)
+    for isa in supported_isas():
+        monkeypatch.setenv(ISA_ENV, isa.value)
+        big = select_linear_backend(None, cpu, torch.float32, ONEDNN_MIN_HIDDEN_SIZE)
+        if isa is Isa.AVX2:  # oneDNN's AVX2 kernels are the slower ones
+            assert big is LinearBackend.NATIVE, isa
+        else:
+            assert big is (LinearBackend.ONEDNN if supported else LinearBackend.TORCH), isa
+    monkeypatch.delenv(ISA_ENV)
     assert select_linear_backend(LinearBackend.TORCH, cpu, torch.float32, 4096) is (
         LinearBackend.TORCH
     )
     assert select_linear_backend(None, cpu, torch.float16, 4096) is LinearBackend.TORCH
+    if native_gemm_supported():
+        with pytest.raises(ValueError, match="'native' needs float32"):
+            select_linear_backend(LinearBackend.NATIVE, cpu, torch.bfloat16, 4096)
+    monkeypatch.setenv(ISA_ENV, "portable")
+    with pytest.raises(ValueError, match="TANDEM_CPU_ISA not 'portable'"):
+        select_linear_backend(LinearBackend.NATIVE, cpu, torch.float32, 4096)
 
 
-def test_packing_replaces_each_linear_once(make_checkpoint: Callable[..., Path]) -> None:
+@pytest.mark.parametrize("backend", ["onednn", "native"])
+def test_packing_replaces_each_linear_once(
+    backend: str, make_checkpoint: Callable[..., Path]
+) -> None:
     """Per layer: q/k/v, o_proj and the MLP (gate/up and down together); plus the LM
     head. A replaced MLP's own linears are not packed again (that once kept every
     original weight alive until packing ended: twice the weights' memory at the peak)."""
     from torch import nn
 
     from tandem.common.model_config import ModelConfig
-    from tandem.engine.layers.linear import onednn_supports, pack_linear_layers
+    from tandem.engine.layers.linear import LinearBackend, onednn_supports, pack_linear_layers
+    from tandem.engine.layers.native_gemm import native_gemm_supported
     from tandem.engine.loader import load_model
 
-    if not onednn_supports(torch.device("cpu"), torch.float32):
-        pytest.skip("oneDNN linear is unavailable in this torch build")
+    available = {
+        "onednn": onednn_supports(torch.device("cpu"), torch.float32),
+        "native": native_gemm_supported(),
+    }
+    if not available[backend]:
+        pytest.skip(f"the {backend} linear backend is unavailable here")
     model_dir = make_checkpoint("llama")
     config = ModelConfig.from_dir(model_dir)
     model = load_model(model_dir, config, torch.float32, torch.device("cpu"))
-    assert pack_linear_layers(model) == 3 * config.num_layers + 1
+    assert pack_linear_layers(model, LinearBackend(backend)) == 3 * config.num_layers + 1
     assert not any(isinstance(m, nn.Linear) for m in model.modules())

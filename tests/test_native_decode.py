@@ -11,6 +11,7 @@ from tandem.common.model_config import ModelConfig
 from tandem.engine.attention.base import AttentionBackendKind
 from tandem.engine.attention.native import paged_decode_library
 from tandem.engine.layers.linear import LinearBackend
+from tandem.engine.layers.native_gemm import native_gemm_supported
 from tandem.engine.model_runner import KVCacheLayout, ModelRunner
 from tandem.engine.models.native_decode import NativeDecoder
 from tandem.engine.scheduler import ScheduledChunk
@@ -88,6 +89,9 @@ def test_native_decoder_declines_what_it_cannot_run(make_checkpoint) -> None:
     assert NativeDecoder.supports(_runner(model_dir).model)
     packed = _runner(model_dir, linear=LinearBackend.ONEDNN)
     assert not NativeDecoder.supports(packed.model)  # the weights now live in oneDNN's layout
+    if native_gemm_supported():
+        native = _runner(model_dir, linear=LinearBackend.NATIVE)
+        assert not NativeDecoder.supports(native.model)  # ... or in the native GEMM's panels
     assert not NativeDecoder.supports(_runner(model_dir).model.to(torch.bfloat16))
 
 

@@ -34,3 +34,25 @@ def test_every_package_folder_is_listed_for_the_wheel() -> None:
     in_tree = _packages_in_tree()
     assert {"tandem.engine.spec_decode", "tandem.router.kv_index", "tandem.bench.sim"} <= in_tree
     assert in_tree == set(SETUPTOOLS["packages"])
+
+
+def test_every_c_kernel_source_ships_in_the_wheel() -> None:
+    """The native kernels compile from their C source at run time: a source missing from
+    the package data works in a checkout and fails in an installed wheel (the fused norm /
+    rotary kernels were missing until the native GEMM's source was added)."""
+    data = SETUPTOOLS["package-data"]
+    missing = []
+    for package, folder in SETUPTOOLS["package-dir"].items():
+        root = ROOT / folder
+        for source in root.rglob("*.c"):
+            # A pattern may sit on any package above the file (setuptools matches it
+            # relative to that package's folder).
+            owners = [p for p in source.parents if p.is_relative_to(root)]
+            if not any(
+                source.relative_to(owner).match(pattern)
+                for owner in owners
+                if (owner / "__init__.py").exists()
+                for pattern in data.get(".".join((package, *owner.relative_to(root).parts)), [])
+            ):
+                missing.append(str(source.relative_to(ROOT)))
+    assert missing == [], f"C sources not in [tool.setuptools.package-data]: {missing}"

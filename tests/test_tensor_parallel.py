@@ -121,18 +121,25 @@ def test_each_rank_holds_exactly_its_slice(case: str, make_checkpoint) -> None:
         assert held < 0.6 * sum(t.numel() for t in full.values())
 
 
-def test_tp2_with_onednn_packed_linears_keeps_the_all_reduce(
-    make_checkpoint: Callable[..., Path], prompts: list[list[int]]
+@pytest.mark.parametrize("backend", ["onednn", "native"])
+def test_tp2_with_packed_linears_keeps_the_all_reduce(
+    backend: str, make_checkpoint: Callable[..., Path], prompts: list[list[int]]
 ) -> None:
-    """oneDNN, the default linear backend from hidden size 256 up, replaces every
-    ``nn.Linear`` by a packed copy; a row-parallel layer's must still sum over the ranks
-    (it once did not, and TP=2 output was garbage for every model but the tiniest)."""
+    """oneDNN (from hidden size 256 up) and the native AVX2 GEMM (where AVX2 is the
+    CPU's best) replace every ``nn.Linear`` by a packed copy; a row-parallel layer's must
+    still sum over the ranks (it once did not, and TP=2 output was garbage for every
+    model but the tiniest)."""
     from tandem.engine.layers.linear import onednn_supports
+    from tandem.engine.layers.native_gemm import native_gemm_supported
 
-    if not onednn_supports(torch.device("cpu"), torch.float32):
-        pytest.skip("oneDNN linear is unavailable in this torch build")
+    available = {
+        "onednn": onednn_supports(torch.device("cpu"), torch.float32),
+        "native": native_gemm_supported(),
+    }
+    if not available[backend]:
+        pytest.skip(f"the {backend} linear backend is unavailable here")
     model_dir = make_checkpoint("llama")
-    kwargs = {"dtype": "float32", "num_kv_blocks": 128, "linear_backend": "onednn"}
+    kwargs = {"dtype": "float32", "num_kv_blocks": 128, "linear_backend": backend}
     single = LLM(model_dir, **kwargs).generate(prompts, GREEDY)
     with LLM(model_dir, tensor_parallel_size=2, num_threads=1, **kwargs) as llm:
         outs = llm.generate(prompts, GREEDY)

@@ -7,6 +7,11 @@ reordered once into its blocked layout ("pre-packed") does much better: measured
 instead of 22 ms at batch 1 and 31 ms instead of 99 ms at 64 tokens (447 vs 135 GFLOP/s).
 The results differ from ``F.linear`` only by float rounding (about 1e-6 relative).
 
+Where the CPU's best instruction set is AVX2 (no AVX-512), Tandem's own packed GEMM
+(``native_gemm``) is faster than oneDNN's AVX2 kernels and becomes the default: workload A
+float32 went from 1.08-1.13x vLLM-CPU to the figure in docs/quantization.md ("Float32
+against vLLM").
+
 oneDNN also fuses element-wise work into a GEMM's output: the gated MLP becomes
 ``up(x) * silu(gate(x))`` computed by two GEMMs with the SiLU and the product in their
 epilogues (68.6 instead of 86.0 ms for 2,048 tokens of the 110M model's MLP), so no
@@ -16,12 +21,18 @@ intermediate tensor is written and read back.
 from __future__ import annotations
 
 import enum
+from collections.abc import Callable
 from typing import Protocol, runtime_checkable
 
 import torch
 from torch import nn
 
 from tandem.engine.layers.mlp import GatedMLP
+from tandem.engine.layers.native_gemm import (
+    native_gemm,
+    native_gemm_preferred,
+    native_gemm_supported,
+)
 
 
 class LinearBackend(enum.Enum):
@@ -29,6 +40,8 @@ class LinearBackend(enum.Enum):
     """``F.linear``: any device and dtype."""
     ONEDNN = "onednn"
     """oneDNN with pre-packed weights: CPU, float32 (bfloat16 where the CPU supports it)."""
+    NATIVE = "native"
+    """Tandem's packed GEMM (``native_gemm``): CPU with AVX2 + FMA, float32."""
 
 
 def onednn_supports(device: torch.device, dtype: torch.dtype) -> bool:
@@ -48,17 +61,26 @@ steps 1.25x faster and d=768 2.1x faster on oneDNN."""
 def select_linear_backend(
     requested: LinearBackend | None, device: torch.device, dtype: torch.dtype, hidden_size: int
 ) -> LinearBackend:
-    """oneDNN where it works and the model is big enough to gain, unless one is requested."""
+    """Where the model is big enough to gain: the native GEMM on a CPU whose best
+    instruction set is AVX2, oneDNN on other CPUs it supports; unless one is requested."""
     supported = onednn_supports(device, dtype)
     if requested is LinearBackend.ONEDNN and not supported:
         raise ValueError(
             f"linear_backend 'onednn' needs a CPU and float32/bfloat16, not {device} {dtype}"
         )
+    native = device.type == "cpu" and dtype == torch.float32
+    if requested is LinearBackend.NATIVE and not (native and native_gemm_supported()):
+        raise ValueError(
+            "linear_backend 'native' needs float32 on a CPU with AVX2 and FMA "
+            f"(and TANDEM_CPU_ISA not 'portable'), not {device} {dtype}"
+        )
     if requested is not None:
         return requested
-    if supported and hidden_size >= ONEDNN_MIN_HIDDEN_SIZE:
-        return LinearBackend.ONEDNN
-    return LinearBackend.TORCH
+    if hidden_size < ONEDNN_MIN_HIDDEN_SIZE:
+        return LinearBackend.TORCH
+    if native and native_gemm_preferred():
+        return LinearBackend.NATIVE
+    return LinearBackend.ONEDNN if supported else LinearBackend.TORCH
 
 
 class PackedLinear(nn.Module):
@@ -74,19 +96,6 @@ class PackedLinear(nn.Module):
         return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
 
 
-@runtime_checkable
-class PacksItself(Protocol):
-    """A linear layer that does more than its product (a row-parallel layer's
-    all-reduce): packing must keep the rest, so the layer packs itself."""
-
-    def packed(self) -> nn.Module: ...
-
-
-def packed_linear(linear: nn.Linear) -> nn.Module:
-    """``linear`` with its weight pre-packed, doing what ``linear`` did."""
-    return linear.packed() if isinstance(linear, PacksItself) else PackedLinear(linear)
-
-
 class PackedGatedMLP(nn.Module):
     """``down(silu(gate(x)) * up(x))`` with the SiLU and the product fused into GEMMs."""
 
@@ -95,7 +104,7 @@ class PackedGatedMLP(nn.Module):
         gate, up = mlp.gate_up_proj.weight.detach().split(mlp.intermediate_size)
         self.gate = torch.ops.mkldnn._reorder_linear_weight(gate.contiguous())
         self.up = torch.ops.mkldnn._reorder_linear_weight(up.contiguous())
-        self.down_proj = packed_linear(mlp.down_proj)
+        self.down_proj = packed_linear(mlp.down_proj, LinearBackend.ONEDNN)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate = torch.ops.mkldnn._linear_pointwise(x, self.gate, None, "swish", [], "")
@@ -103,21 +112,71 @@ class PackedGatedMLP(nn.Module):
         return self.down_proj(hidden)
 
 
-def pack_linear_layers(model: nn.Module) -> int:
-    """Replace every gated MLP and ``nn.Linear`` of a loaded model by its packed form;
-    returns how many modules changed. The original weights are dropped (the embedding
-    keeps its own copy of a tied output projection)."""
+class NativeLinear(nn.Module):
+    """A ``nn.Linear`` whose weight the native GEMM packed once; inference only."""
+
+    def __init__(self, linear: nn.Linear) -> None:
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.gemm = native_gemm()
+        self.packed_weight = self.gemm.pack(linear.weight)
+        self.bias = None if linear.bias is None else linear.bias.detach()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.gemm.linear(x, self.packed_weight, self.out_features, self.bias)
+
+
+class NativeGatedMLP(nn.Module):
+    """``down(silu(gate(x)) * up(x))``: gate and up in one native pass, SiLU product in
+    its epilogue."""
+
+    def __init__(self, mlp: GatedMLP) -> None:
+        super().__init__()
+        self.intermediate_size = mlp.intermediate_size
+        gate, up = mlp.gate_up_proj.weight.detach().split(mlp.intermediate_size)
+        self.gemm = native_gemm()
+        self.gate_up = self.gemm.pack_gated(gate, up)
+        self.down_proj = packed_linear(mlp.down_proj, LinearBackend.NATIVE)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.gemm.gated(x, self.gate_up, self.intermediate_size))
+
+
+_PACKED_LINEAR = {LinearBackend.ONEDNN: PackedLinear, LinearBackend.NATIVE: NativeLinear}
+_PACKED_MLP = {LinearBackend.ONEDNN: PackedGatedMLP, LinearBackend.NATIVE: NativeGatedMLP}
+
+
+@runtime_checkable
+class PacksItself(Protocol):
+    """A linear layer that does more than its product (a row-parallel layer's
+    all-reduce): packing must keep the rest, so the layer packs itself around the
+    product ``pack`` makes of it."""
+
+    def packed(self, pack: Callable[[nn.Linear], nn.Module]) -> nn.Module: ...
+
+
+def packed_linear(linear: nn.Linear, backend: LinearBackend) -> nn.Module:
+    """``linear`` with its weight packed for ``backend`` (oneDNN or native), doing what
+    ``linear`` did."""
+    pack = _PACKED_LINEAR[backend]
+    return linear.packed(pack) if isinstance(linear, PacksItself) else pack(linear)
+
+
+def pack_linear_layers(model: nn.Module, backend: LinearBackend) -> int:
+    """Replace every gated MLP and ``nn.Linear`` of a loaded model by its form packed for
+    ``backend`` (oneDNN or native); returns how many modules changed. The original
+    weights are dropped (the embedding keeps its own copy of a tied output projection)."""
     count = 0
     # Recursive, and never into a module it replaced: a snapshot of ``model.modules()``
     # would also pack the replaced MLPs' linears and keep every original weight alive
     # until the end (twice the weights' memory at the peak).
     for name, child in list(model.named_children()):
         if isinstance(child, GatedMLP):
-            setattr(model, name, PackedGatedMLP(child))
+            setattr(model, name, _PACKED_MLP[backend](child))
         elif isinstance(child, nn.Linear):
-            setattr(model, name, packed_linear(child))
+            setattr(model, name, packed_linear(child, backend))
         else:
-            count += pack_linear_layers(child)
+            count += pack_linear_layers(child, backend)
             continue
         count += 1
     return count

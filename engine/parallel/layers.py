@@ -8,7 +8,7 @@ so no rank ever holds a full weight.
   q/k/v heads, gate/up columns). One fused parameter may stack several checkpoint
   tensors (``q_proj``, ``k_proj``, ``v_proj``), each with its own slice.
 - ``RowParallelLinear``: input columns split; the partial products are summed over the
-  ranks (one all-reduce: ``o_proj``, ``down_proj``). Packed for oneDNN
+  ranks (one all-reduce: ``o_proj``, ``down_proj``). Packed
   (``layers.linear.pack_linear_layers``) it becomes ``PackedRowParallelLinear``, which
   keeps the all-reduce.
 - ``VocabParallelEmbedding``: vocabulary rows split; a rank looks up the ids it holds,
@@ -18,7 +18,7 @@ so no rank ever holds a full weight.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -26,7 +26,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tandem.engine.layers.linear import PackedLinear
 from tandem.engine.parallel.group import TensorParallelGroup
 
 
@@ -93,15 +92,16 @@ class RowParallelLinear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.group.all_reduce(F.linear(x, self.weight))
 
-    def packed(self) -> PackedRowParallelLinear:
-        """This layer with its weight pre-packed for oneDNN, the all-reduce kept."""
-        return PackedRowParallelLinear(PackedLinear(self), self.group)
+    def packed(self, pack: Callable[[nn.Linear], nn.Module]) -> PackedRowParallelLinear:
+        """This layer with its product packed by ``pack`` (oneDNN or native), the
+        all-reduce kept."""
+        return PackedRowParallelLinear(pack(self), self.group)
 
 
 class PackedRowParallelLinear(nn.Module):
-    """A ``RowParallelLinear`` whose weight oneDNN reordered once; inference only."""
+    """A ``RowParallelLinear`` whose weight was packed once; inference only."""
 
-    def __init__(self, product: PackedLinear, group: TensorParallelGroup) -> None:
+    def __init__(self, product: nn.Module, group: TensorParallelGroup) -> None:
         super().__init__()
         self.product = product
         self.group = group

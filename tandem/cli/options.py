@@ -36,7 +36,7 @@ def is_expected(err: BaseException) -> bool:
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 ATTENTION_BACKENDS = ("cpu", "sdpa", "torch", "flash")
-LINEAR_BACKENDS = ("onednn", "torch")
+LINEAR_BACKENDS = ("onednn", "native", "torch")
 QUANTIZATIONS = ("int8", "int4")
 KV_CACHE_DTYPES = ("auto", "int8", "fp8")
 QUANTIZATION_GROUP_SIZES = (32, 64, 128)

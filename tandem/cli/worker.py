@@ -89,7 +89,8 @@ ENGINE_FLAGS: tuple[EngineFlag, ...] = (
     EngineFlag(
         "linear-backend",
         str,
-        "matrix products: pre-packed oneDNN or plain torch (default: onednn where it works)",
+        "matrix products: pre-packed oneDNN, Tandem's native AVX2 GEMM or plain torch "
+        "(default: native where AVX2 is the best instruction set, else onednn where it works)",
         LINEAR_BACKENDS,
     ),
     EngineFlag(

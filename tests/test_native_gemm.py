@@ -1,0 +1,131 @@
+"""Tandem's float32 AVX2 GEMM (``engine/layers/native_gemm``) against a float64 reference:
+odd sizes on every edge of its blocking (6-row tiles, 16-column panels, 256-deep slices,
+192-row blocks), biases, the gated MLP's SiLU-product epilogue, one and two threads; rows
+that do not depend on the call they are in; and what it refuses."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tandem.engine.layers.native_gemm import native_gemm, native_gemm_supported
+
+pytestmark = pytest.mark.skipif(
+    shutil.which("cc") is None or not native_gemm_supported(),
+    reason="needs a C compiler and a CPU with AVX2 + FMA",
+)
+
+# (rows, in, out): a decode row, tile / panel / slice / row-block edges, a prefill chunk.
+SHAPES = [
+    (1, 768, 3072),
+    (1, 3, 1),
+    (5, 255, 15),
+    (6, 256, 16),
+    (7, 257, 17),
+    (13, 513, 33),
+    (64, 768, 100),
+    (193, 300, 48),
+    (400, 1000, 31),
+]
+
+
+@pytest.fixture(scope="module")
+def gemm():
+    return native_gemm()
+
+
+@pytest.fixture(params=[1, 2], ids=lambda t: f"{t}thr")
+def threads(request):
+    before = torch.get_num_threads()
+    torch.set_num_threads(request.param)
+    yield request.param
+    torch.set_num_threads(before)
+
+
+def _data(m: int, k: int, n: int, seed: int) -> tuple[torch.Tensor, ...]:
+    g = torch.Generator().manual_seed(seed)
+    x, w = torch.randn(m, k, generator=g), torch.randn(n, k, generator=g)
+    return x, w, torch.randn(n, generator=g)
+
+
+def _bound(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """A float32 dot product's forward error bound: k units of rounding of sum |x w|."""
+    return 2 * x.shape[-1] * 2.0**-24 * (x.abs().double() @ w.abs().double().T) + 1e-30
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+@pytest.mark.parametrize("with_bias", [False, True], ids=["", "bias"])
+def test_linear_matches_float64(gemm, threads, shape, with_bias) -> None:
+    m, k, n = shape
+    x, w, b = _data(m, k, n, seed=m + k + n)
+    bias = b if with_bias else None
+    got = gemm.linear(x, gemm.pack(w), n, bias)
+    expected = x.double() @ w.double().T + (b.double() if with_bias else 0)
+    assert got.shape == (m, n) and got.dtype == torch.float32
+    assert ((got.double() - expected).abs() <= _bound(x, w) + 1e-6 * with_bias).all()
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+def test_gated_is_silu_of_gate_times_up(gemm, threads, shape) -> None:
+    """Gate and up run through the same sums as two plain products (bitwise equal sums),
+    so the gated form must equal silu(gate) * up of those within the epilogue's rounding
+    (a polynomial exp: about 1e-7 relative)."""
+    m, k, n = shape
+    x, gate, _ = _data(m, k, n, seed=7 * m + k)
+    up = torch.randn(n, k, generator=torch.Generator().manual_seed(n))
+    got = gemm.gated(x, gemm.pack_gated(gate, up), n)
+    g = gemm.linear(x, gemm.pack(gate), n).double()
+    u = gemm.linear(x, gemm.pack(up), n).double()
+    torch.testing.assert_close(got.double(), F.silu(g) * u, rtol=2e-6, atol=1e-6)
+    # Against float64 throughout: each product's error, through silu (slope <= 1.1).
+    x64 = x.double()
+    expected = F.silu(x64 @ gate.double().T) * (x64 @ up.double().T)
+    tol = 1.1 * _bound(x, gate) * u.abs() + F.silu(g).abs() * _bound(x, up)
+    assert ((got.double() - expected).abs() <= tol + 1e-5 * expected.abs() + 1e-6).all()
+
+
+def test_a_row_does_not_depend_on_its_batch_or_the_threads(gemm) -> None:
+    """Each output sums its inputs in the same order wherever its row sits in the call
+    (first or last tile, a tile of 6 rows or of 1, thread 0 or 1): bitwise equal."""
+    m, k, n = 197, 700, 77
+    x, w, b = _data(m, k, n, seed=3)
+    packed, gated = gemm.pack(w), gemm.pack_gated(w, w.flip(0).contiguous())
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        batch, batch_gated = gemm.linear(x, packed, n, b), gemm.gated(x, gated, n)
+        torch.set_num_threads(1)
+        for row in (0, 5, 6, 191, 192, 196):
+            alone = gemm.linear(x[row : row + 1], packed, n, b)
+            assert torch.equal(alone[0], batch[row]), row
+            assert torch.equal(gemm.gated(x[row : row + 1], gated, n)[0], batch_gated[row]), row
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_leading_dims_views_and_empty_inputs(gemm) -> None:
+    x, w, _ = _data(24, 96, 40, seed=5)
+    packed = gemm.pack(w)
+    batched = gemm.linear(x.view(2, 3, 4, 96), packed, 40)
+    assert batched.shape == (2, 3, 4, 40)
+    assert torch.equal(batched.view(24, 40), gemm.linear(x, packed, 40))
+    strided = torch.randn(96, 24).t()  # a non-contiguous view: copied, not misread
+    torch.testing.assert_close(gemm.linear(strided, packed, 40), strided @ w.T)
+    assert gemm.linear(torch.empty(0, 96), packed, 40).shape == (0, 40)
+    assert gemm.gated(torch.empty(3, 0, 96), gemm.pack_gated(w, w), 40).shape == (3, 0, 40)
+
+
+def test_bad_inputs_are_refused_by_name(gemm) -> None:
+    w = torch.randn(32, 64)
+    packed = gemm.pack(w)
+    with pytest.raises(ValueError, match="float32 CPU inputs"):
+        gemm.linear(torch.randn(2, 64, dtype=torch.float64), packed, 32)
+    with pytest.raises(ValueError, match=r"is not \[32, 65\]"):
+        gemm.linear(torch.randn(2, 65), packed, 32)
+    with pytest.raises(ValueError, match=r"gate \(32, 64\) and up \(16, 64\) differ"):
+        gemm.pack_gated(w, w[:16])
+    with pytest.raises(ValueError, match="weight must be a float32 CPU matrix"):
+        gemm.pack(w.to(torch.bfloat16))
