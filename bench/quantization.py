@@ -4,8 +4,10 @@
 
 For each instruction-set setting the measurement runs in its own subprocess, because
 ``ATEN_CPU_CAPABILITY`` must be set before torch is imported: ``native`` (the best the
-CPU has: AVX-512 where present) and ``avx2`` (``TANDEM_CPU_ISA=avx2`` for the quantized
-kernels and ``ATEN_CPU_CAPABILITY=avx2`` for torch's own, float32 included). In each,
+CPU has: AVX-512 where present) and ``avx2`` (``TANDEM_CPU_ISA=avx2`` for Tandem's
+kernels, which makes float32 linears use the native AVX2 GEMM, ``ATEN_CPU_CAPABILITY=avx2``
+for torch's own and ``ONEDNN_MAX_CPU_ISA=AVX2`` for oneDNN's, as ``throughput.py --isa
+avx2`` sets them). In each,
 float32, int8 and int4 (group 64) engines are built once, then measured in alternating
 rounds (so a burst of load from other processes hits all three alike): a round decodes
 ``--steps`` tokens of one 32-token prompt and takes the median step time. The figure
@@ -28,7 +30,7 @@ from pathlib import Path
 RESULTS = Path(__file__).resolve().parent / "results" / "quantization.json"
 SETTINGS = {
     "native": {},
-    "avx2": {"TANDEM_CPU_ISA": "avx2", "ATEN_CPU_CAPABILITY": "avx2"},
+    "avx2": {"TANDEM_CPU_ISA": "avx2", "ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"},
 }
 METHODS: dict[str, dict[str, object]] = {
     "float32": {},
