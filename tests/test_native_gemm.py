@@ -62,7 +62,7 @@ def test_linear_matches_float64(gemm, threads, shape, with_bias) -> None:
     m, k, n = shape
     x, w, b = _data(m, k, n, seed=m + k + n)
     bias = b if with_bias else None
-    got = gemm.linear(x, gemm.pack(w), n, bias)
+    got = gemm.linear(x, gemm.pack(w), bias)
     expected = x.double() @ w.double().T + (b.double() if with_bias else 0)
     assert got.shape == (m, n) and got.dtype == torch.float32
     assert ((got.double() - expected).abs() <= _bound(x, w) + 1e-6 * with_bias).all()
@@ -76,9 +76,9 @@ def test_gated_is_silu_of_gate_times_up(gemm, threads, shape) -> None:
     m, k, n = shape
     x, gate, _ = _data(m, k, n, seed=7 * m + k)
     up = torch.randn(n, k, generator=torch.Generator().manual_seed(n))
-    got = gemm.gated(x, gemm.pack_gated(gate, up), n)
-    g = gemm.linear(x, gemm.pack(gate), n).double()
-    u = gemm.linear(x, gemm.pack(up), n).double()
+    got = gemm.gated(x, gemm.pack_gated(gate, up))
+    g = gemm.linear(x, gemm.pack(gate)).double()
+    u = gemm.linear(x, gemm.pack(up)).double()
     torch.testing.assert_close(got.double(), F.silu(g) * u, rtol=2e-6, atol=1e-6)
     # Against float64 throughout: each product's error, through silu (slope <= 1.1).
     x64 = x.double()
@@ -96,12 +96,12 @@ def test_a_row_does_not_depend_on_its_batch_or_the_threads(gemm) -> None:
     before = torch.get_num_threads()
     try:
         torch.set_num_threads(2)
-        batch, batch_gated = gemm.linear(x, packed, n, b), gemm.gated(x, gated, n)
+        batch, batch_gated = gemm.linear(x, packed, b), gemm.gated(x, gated)
         torch.set_num_threads(1)
         for row in (0, 5, 6, 191, 192, 196):
-            alone = gemm.linear(x[row : row + 1], packed, n, b)
+            alone = gemm.linear(x[row : row + 1], packed, b)
             assert torch.equal(alone[0], batch[row]), row
-            assert torch.equal(gemm.gated(x[row : row + 1], gated, n)[0], batch_gated[row]), row
+            assert torch.equal(gemm.gated(x[row : row + 1], gated)[0], batch_gated[row]), row
     finally:
         torch.set_num_threads(before)
 
@@ -109,23 +109,52 @@ def test_a_row_does_not_depend_on_its_batch_or_the_threads(gemm) -> None:
 def test_leading_dims_views_and_empty_inputs(gemm) -> None:
     x, w, _ = _data(24, 96, 40, seed=5)
     packed = gemm.pack(w)
-    batched = gemm.linear(x.view(2, 3, 4, 96), packed, 40)
+    batched = gemm.linear(x.view(2, 3, 4, 96), packed)
     assert batched.shape == (2, 3, 4, 40)
-    assert torch.equal(batched.view(24, 40), gemm.linear(x, packed, 40))
+    assert torch.equal(batched.view(24, 40), gemm.linear(x, packed))
     strided = torch.randn(96, 24).t()  # a non-contiguous view: copied, not misread
-    torch.testing.assert_close(gemm.linear(strided, packed, 40), strided @ w.T)
-    assert gemm.linear(torch.empty(0, 96), packed, 40).shape == (0, 40)
-    assert gemm.gated(torch.empty(3, 0, 96), gemm.pack_gated(w, w), 40).shape == (3, 0, 40)
+    torch.testing.assert_close(gemm.linear(strided, packed), strided @ w.T)
+    bias = torch.randn(40, 2)[:, 0]  # a strided bias: its contiguous copy outlives the call
+    torch.testing.assert_close(gemm.linear(x, packed, bias), x @ w.T + bias)
+    assert gemm.linear(torch.empty(0, 96), packed).shape == (0, 40)
+    assert gemm.gated(torch.empty(3, 0, 96), gemm.pack_gated(w, w)).shape == (3, 0, 40)
+    no_inputs, bias = gemm.pack(torch.empty(40, 0)), torch.randn(40)
+    assert torch.equal(gemm.linear(torch.empty(3, 0), no_inputs, bias), bias.expand(3, 40))
+    no_gate_inputs = gemm.pack_gated(torch.empty(40, 0), torch.empty(40, 0))
+    assert torch.equal(gemm.gated(torch.empty(2, 0), no_gate_inputs), torch.zeros(2, 40))
+    assert gemm.linear(x, gemm.pack(torch.empty(0, 96))).shape == (24, 0)
+
+
+def test_silu_of_extreme_gates(gemm) -> None:
+    """Far below -87 silu(g) is 0 in float32 (torch too); the polynomial exp's clamp must
+    not leave g / e^88 there. NaN stays NaN."""
+    gates = torch.tensor([-3e38, -1e30, -1e4, -90.0, -87.0, -20.0, 0.0, 20.0, 1e4, 3e38])
+    k = 1
+    x = torch.ones(1, k)
+    gate = gates.view(-1, 1)
+    up = torch.ones(len(gates), k)
+    got = gemm.gated(x, gemm.pack_gated(gate, up))[0]
+    torch.testing.assert_close(got, F.silu(gates), rtol=2e-6, atol=1e-30)
+    nan = gemm.gated(x, gemm.pack_gated(torch.tensor([[float("nan")]]), torch.ones(1, 1)))
+    assert nan.isnan().all()
 
 
 def test_bad_inputs_are_refused_by_name(gemm) -> None:
     w = torch.randn(32, 64)
     packed = gemm.pack(w)
     with pytest.raises(ValueError, match="float32 CPU inputs"):
-        gemm.linear(torch.randn(2, 64, dtype=torch.float64), packed, 32)
-    with pytest.raises(ValueError, match=r"is not \[32, 65\]"):
-        gemm.linear(torch.randn(2, 65), packed, 32)
+        gemm.linear(torch.randn(2, 64, dtype=torch.float64), packed)
+    with pytest.raises(ValueError, match="inputs of 65 features for a weight of 64"):
+        gemm.linear(torch.randn(2, 65), packed)
     with pytest.raises(ValueError, match=r"gate \(32, 64\) and up \(16, 64\) differ"):
         gemm.pack_gated(w, w[:16])
     with pytest.raises(ValueError, match="weight must be a float32 CPU matrix"):
         gemm.pack(w.to(torch.bfloat16))
+    with pytest.raises(ValueError, match="bias must be 32 float32 values"):
+        gemm.linear(torch.randn(2, 64), packed, torch.randn(3))
+    with pytest.raises(ValueError, match="bias must be 32 float32 values"):
+        gemm.linear(torch.randn(2, 64), packed, torch.randn(32, dtype=torch.float64))
+    with pytest.raises(ValueError, match="a weight from pack goes to linear"):
+        gemm.gated(torch.randn(2, 64), packed)
+    with pytest.raises(ValueError, match="a weight from pack_gated goes to gated"):
+        gemm.linear(torch.randn(2, 64), gemm.pack_gated(w, w))

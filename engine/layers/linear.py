@@ -123,7 +123,7 @@ class NativeLinear(nn.Module):
         self.bias = None if linear.bias is None else linear.bias.detach()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.gemm.linear(x, self.packed_weight, self.out_features, self.bias)
+        return self.gemm.linear(x, self.packed_weight, self.bias)
 
 
 class NativeGatedMLP(nn.Module):
@@ -139,7 +139,7 @@ class NativeGatedMLP(nn.Module):
         self.down_proj = packed_linear(mlp.down_proj, LinearBackend.NATIVE)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.gemm.gated(x, self.gate_up, self.intermediate_size))
+        return self.down_proj(self.gemm.gated(x, self.gate_up))
 
 
 _PACKED_LINEAR = {LinearBackend.ONEDNN: PackedLinear, LinearBackend.NATIVE: NativeLinear}

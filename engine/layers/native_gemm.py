@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
+from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
 
@@ -41,9 +42,21 @@ FLAGS = ("-O3", "-fopenmp", "-shared", "-fPIC", "-std=gnu11", "-mavx2", "-mfma")
 _i64, _ptr, _int = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
 
 
+@dataclass(frozen=True)
+class PackedWeight:
+    """A weight in the kernel's panel order: ``data`` (flat float32) for an ``[n, k]``
+    weight, or for a gate and an up weight of ``[n, k]`` each when ``gated``."""
+
+    data: torch.Tensor
+    n: int
+    k: int
+    gated: bool = False
+
+
 class NativeGemm:
-    """The loaded kernels. Packed weights are flat float32 tensors; inputs are float32
-    ``[..., k]`` (made contiguous when they are not)."""
+    """The loaded kernels. Inputs are float32 ``[..., k]`` (made contiguous when they are
+    not); a weight must come from ``pack`` (for ``linear``) or ``pack_gated`` (for
+    ``gated``), which the wrappers check before the kernel reads it."""
 
     def __init__(self, library: ctypes.CDLL) -> None:
         self._packed_floats = library.tandem_gemm_packed_floats
@@ -64,58 +77,84 @@ class NativeGemm:
         self._gated.restype = None
         self._gated.argtypes = [_ptr, _i64, _i64, _ptr, _i64, _ptr, _int]
 
-    def pack(self, weight: torch.Tensor) -> torch.Tensor:
+    def pack(self, weight: torch.Tensor) -> PackedWeight:
         """``weight [n, k]`` in panel order."""
         weight = _float32_matrix(weight, "weight")
         n, k = weight.shape
-        packed = torch.empty(self._packed_floats(n, k), dtype=torch.float32)
-        self._pack(weight.data_ptr(), n, k, packed.data_ptr())
-        return packed
+        data = torch.empty(self._packed_floats(n, k), dtype=torch.float32)
+        self._pack(weight.data_ptr(), n, k, data.data_ptr())
+        return PackedWeight(data, n, k)
 
-    def pack_gated(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    def pack_gated(self, gate: torch.Tensor, up: torch.Tensor) -> PackedWeight:
         """``gate`` and ``up`` (both ``[n, k]``) interleaved 8 columns at a time."""
         gate, up = _float32_matrix(gate, "gate"), _float32_matrix(up, "up")
         if gate.shape != up.shape:
             raise ValueError(f"gate {tuple(gate.shape)} and up {tuple(up.shape)} differ")
         n, k = gate.shape
-        packed = torch.empty(self._gated_packed_floats(n, k), dtype=torch.float32)
-        self._pack_gated(gate.data_ptr(), up.data_ptr(), n, k, packed.data_ptr())
-        return packed
+        data = torch.empty(self._gated_packed_floats(n, k), dtype=torch.float32)
+        self._pack_gated(gate.data_ptr(), up.data_ptr(), n, k, data.data_ptr())
+        return PackedWeight(data, n, k, gated=True)
 
     def linear(
-        self, x: torch.Tensor, packed: torch.Tensor, n: int, bias: torch.Tensor | None = None
+        self, x: torch.Tensor, weight: PackedWeight, bias: torch.Tensor | None = None
     ) -> torch.Tensor:
-        """``x @ W.T (+ bias)`` for ``packed = pack(W)``, ``W [n, k]``."""
-        x, rows, k = self._rows(x, packed, n, self._packed_floats)
+        """``x @ W.T (+ bias)`` for ``weight = pack(W)``; ``bias`` float32 ``[n]``."""
+        x, rows = self._rows(x, weight, gated=False)
+        n = weight.n
+        if bias is not None:
+            if bias.dtype != torch.float32 or bias.device.type != "cpu" or bias.numel() != n:
+                raise ValueError(
+                    f"bias must be {n} float32 values on the CPU, not {bias.dtype} "
+                    f"{tuple(bias.shape)} on {bias.device}"
+                )
+            bias = bias.contiguous()  # held here: the kernel reads it after this line
+        if weight.k == 0:  # no inputs: every output is its bias
+            out = torch.zeros(*x.shape[:-1], n, dtype=torch.float32)
+            return out if bias is None else out + bias
         out = torch.empty(*x.shape[:-1], n, dtype=torch.float32)
         if rows:
-            bias_ptr = None if bias is None else bias.contiguous().data_ptr()
             self._gemm(
-                x.data_ptr(), rows, k, packed.data_ptr(), n, bias_ptr, out.data_ptr(),
+                x.data_ptr(), rows, weight.k, weight.data.data_ptr(), n,
+                None if bias is None else bias.data_ptr(), out.data_ptr(),
                 torch.get_num_threads(),
             )  # fmt: skip
         return out
 
-    def gated(self, x: torch.Tensor, packed: torch.Tensor, n: int) -> torch.Tensor:
-        """``silu(x @ G.T) * (x @ U.T)`` for ``packed = pack_gated(G, U)``."""
-        x, rows, k = self._rows(x, packed, n, self._gated_packed_floats)
+    def gated(self, x: torch.Tensor, weight: PackedWeight) -> torch.Tensor:
+        """``silu(x @ G.T) * (x @ U.T)`` for ``weight = pack_gated(G, U)``."""
+        x, rows = self._rows(x, weight, gated=True)
+        n = weight.n
+        if weight.k == 0:  # silu(0) * 0
+            return torch.zeros(*x.shape[:-1], n, dtype=torch.float32)
         out = torch.empty(*x.shape[:-1], n, dtype=torch.float32)
         if rows:
             self._gated(
-                x.data_ptr(), rows, k, packed.data_ptr(), n, out.data_ptr(),
+                x.data_ptr(), rows, weight.k, weight.data.data_ptr(), n, out.data_ptr(),
                 torch.get_num_threads(),
             )  # fmt: skip
         return out
 
-    @staticmethod
-    def _rows(x: torch.Tensor, packed: torch.Tensor, n: int, size) -> tuple[torch.Tensor, int, int]:
+    def _rows(self, x: torch.Tensor, weight: PackedWeight, gated: bool) -> tuple[torch.Tensor, int]:
         if x.dtype != torch.float32 or x.device.type != "cpu":
             raise ValueError(f"the native GEMM takes float32 CPU inputs, not {x.dtype} {x.device}")
-        k = x.shape[-1]
-        if packed.numel() != size(n, k):
-            raise ValueError(f"a packed weight of {packed.numel()} floats is not [{n}, {k}]")
+        if weight.gated != gated:
+            made, use = ("pack_gated", "gated") if weight.gated else ("pack", "linear")
+            raise ValueError(f"a weight from {made} goes to {use}")
+        size = self._gated_packed_floats if gated else self._packed_floats
+        data = weight.data
+        if (
+            data.dtype != torch.float32
+            or data.dim() != 1
+            or not data.is_contiguous()
+            or data.numel() != size(weight.n, weight.k)
+        ):
+            raise ValueError(
+                f"a packed weight of {data.numel()} floats is not [{weight.n}, {weight.k}]"
+            )
+        if x.shape[-1] != weight.k:
+            raise ValueError(f"inputs of {x.shape[-1]} features for a weight of {weight.k}")
         x = x.contiguous()
-        return x, x.numel() // k if k else 0, k
+        return x, x.numel() // weight.k if weight.k else 0
 
 
 def _float32_matrix(t: torch.Tensor, name: str) -> torch.Tensor:

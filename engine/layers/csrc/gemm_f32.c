@@ -89,9 +89,13 @@ static inline __m256 exp8(__m256 x) {
     return _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
 }
 
+/* silu(g) * u; below g = -87 silu(g) is 0 in float32 (e^g underflows), which the clamped
+ * exp would not give (g / e^88 is not 0 for huge |g|); NaN gates stay NaN. */
 static inline __m256 silu_mul8(__m256 g, __m256 u) {
     __m256 denom = _mm256_add_ps(_mm256_set1_ps(1.0f), exp8(_mm256_sub_ps(_mm256_setzero_ps(), g)));
-    return _mm256_mul_ps(_mm256_div_ps(g, denom), u);
+    __m256 silu = _mm256_div_ps(g, denom);
+    silu = _mm256_andnot_ps(_mm256_cmp_ps(g, _mm256_set1_ps(-87.0f), _CMP_LT_OQ), silu);
+    return _mm256_mul_ps(silu, u);
 }
 
 /* What the last slice of a tile does with its sums. */
@@ -231,6 +235,7 @@ static void gemm(const float *x, int64_t m, int64_t k, const float *packed, int6
                  const float *bias, float *y, int mode, int threads) {
     int64_t out_per_panel = mode == GATED ? NR / 2 : NR;
     int64_t panels = (n + out_per_panel - 1) / out_per_panel;
+    if (panels == 0) return;
     if (threads < 1 || m * n * k < PARALLEL_MIN) threads = 1;
     if (threads > panels) threads = (int)panels;
 #pragma omp parallel num_threads(threads)
