@@ -112,14 +112,11 @@ def test_reference_backend_matches(arch: str, reference, prompts) -> None:
 
 
 def _packed_backends() -> list[str]:
-    from tandem.engine.layers.linear import onednn_supports
-    from tandem.engine.layers.native_gemm import native_gemm_supported
+    from tandem.engine.layers.linear import LinearBackend, linear_backend_available
 
+    packed = (LinearBackend.ONEDNN, LinearBackend.NATIVE)
     cpu = torch.device("cpu")
-    return [
-        *(["onednn"] if onednn_supports(cpu, torch.float32) else []),
-        *(["native"] if native_gemm_supported() else []),
-    ]
+    return [b.value for b in packed if linear_backend_available(b, cpu, torch.float32)]
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -200,15 +197,14 @@ def test_packing_replaces_each_linear_once(
     from torch import nn
 
     from tandem.common.model_config import ModelConfig
-    from tandem.engine.layers.linear import LinearBackend, onednn_supports, pack_linear_layers
-    from tandem.engine.layers.native_gemm import native_gemm_supported
+    from tandem.engine.layers.linear import (
+        LinearBackend,
+        linear_backend_available,
+        pack_linear_layers,
+    )
     from tandem.engine.loader import load_model
 
-    available = {
-        "onednn": onednn_supports(torch.device("cpu"), torch.float32),
-        "native": native_gemm_supported(),
-    }
-    if not available[backend]:
+    if not linear_backend_available(LinearBackend(backend), torch.device("cpu"), torch.float32):
         pytest.skip(f"the {backend} linear backend is unavailable here")
     model_dir = make_checkpoint("llama")
     config = ModelConfig.from_dir(model_dir)

@@ -129,14 +129,9 @@ def test_tp2_with_packed_linears_keeps_the_all_reduce(
     CPU's best) replace every ``nn.Linear`` by a packed copy; a row-parallel layer's must
     still sum over the ranks (it once did not, and TP=2 output was garbage for every
     model but the tiniest)."""
-    from tandem.engine.layers.linear import onednn_supports
-    from tandem.engine.layers.native_gemm import native_gemm_supported
+    from tandem.engine.layers.linear import LinearBackend, linear_backend_available
 
-    available = {
-        "onednn": onednn_supports(torch.device("cpu"), torch.float32),
-        "native": native_gemm_supported(),
-    }
-    if not available[backend]:
+    if not linear_backend_available(LinearBackend(backend), torch.device("cpu"), torch.float32):
         pytest.skip(f"the {backend} linear backend is unavailable here")
     model_dir = make_checkpoint("llama")
     kwargs = {"dtype": "float32", "num_kv_blocks": 128, "linear_backend": backend}

@@ -58,29 +58,43 @@ on 2 cores, batch-1 decode: d=64 and d=192 models step 1.5x faster on plain torc
 steps 1.25x faster and d=768 2.1x faster on oneDNN."""
 
 
+_NEEDS = {
+    LinearBackend.ONEDNN: "a CPU and float32/bfloat16",
+    LinearBackend.NATIVE: "float32 on a CPU with AVX2 and FMA (and TANDEM_CPU_ISA not 'portable')",
+}
+
+
+def linear_backend_available(
+    backend: LinearBackend, device: torch.device, dtype: torch.dtype
+) -> bool:
+    """Whether ``backend`` can multiply ``dtype`` weights on ``device`` here."""
+    if backend is LinearBackend.ONEDNN:
+        return onednn_supports(device, dtype)
+    if backend is LinearBackend.NATIVE:
+        return device.type == "cpu" and dtype == torch.float32 and native_gemm_supported()
+    return True
+
+
 def select_linear_backend(
     requested: LinearBackend | None, device: torch.device, dtype: torch.dtype, hidden_size: int
 ) -> LinearBackend:
     """Where the model is big enough to gain: the native GEMM on a CPU whose best
-    instruction set is AVX2, oneDNN on other CPUs it supports; unless one is requested."""
-    supported = onednn_supports(device, dtype)
-    if requested is LinearBackend.ONEDNN and not supported:
-        raise ValueError(
-            f"linear_backend 'onednn' needs a CPU and float32/bfloat16, not {device} {dtype}"
-        )
-    native = device.type == "cpu" and dtype == torch.float32
-    if requested is LinearBackend.NATIVE and not (native and native_gemm_supported()):
-        raise ValueError(
-            "linear_backend 'native' needs float32 on a CPU with AVX2 and FMA "
-            f"(and TANDEM_CPU_ISA not 'portable'), not {device} {dtype}"
-        )
+    instruction set is AVX2, oneDNN on other CPUs it supports; unless one is requested
+    (``ValueError`` when that one cannot run here)."""
     if requested is not None:
+        if not linear_backend_available(requested, device, dtype):
+            raise ValueError(
+                f"linear_backend '{requested.value}' needs {_NEEDS[requested]}, "
+                f"not {device} {dtype}"
+            )
         return requested
     if hidden_size < ONEDNN_MIN_HIDDEN_SIZE:
         return LinearBackend.TORCH
-    if native and native_gemm_preferred():
+    if device.type == "cpu" and dtype == torch.float32 and native_gemm_preferred():
         return LinearBackend.NATIVE
-    return LinearBackend.ONEDNN if supported else LinearBackend.TORCH
+    if onednn_supports(device, dtype):
+        return LinearBackend.ONEDNN
+    return LinearBackend.TORCH
 
 
 class PackedLinear(nn.Module):
