@@ -45,7 +45,8 @@ _i64, _ptr, _int = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
 @dataclass(frozen=True)
 class PackedWeight:
     """A weight in the kernel's panel order: ``data`` (flat float32) for an ``[n, k]``
-    weight, or for a gate and an up weight of ``[n, k]`` each when ``gated``."""
+    weight, or for a gate and an up weight of ``[n, k]`` each when ``gated``. Made by
+    ``NativeGemm.pack`` / ``pack_gated`` only (the kernels trust its size)."""
 
     data: torch.Tensor
     n: int
@@ -134,23 +135,16 @@ class NativeGemm:
             )  # fmt: skip
         return out
 
-    def _rows(self, x: torch.Tensor, weight: PackedWeight, gated: bool) -> tuple[torch.Tensor, int]:
+    @staticmethod
+    def _rows(x: torch.Tensor, weight: PackedWeight, gated: bool) -> tuple[torch.Tensor, int]:
+        """``x`` contiguous and its row count, after the checks a call needs (the packed
+        data was made by ``pack`` / ``pack_gated`` for its ``n``, ``k``: not re-checked on
+        every call of the decode loop)."""
         if x.dtype != torch.float32 or x.device.type != "cpu":
             raise ValueError(f"the native GEMM takes float32 CPU inputs, not {x.dtype} {x.device}")
         if weight.gated != gated:
             made, use = ("pack_gated", "gated") if weight.gated else ("pack", "linear")
             raise ValueError(f"a weight from {made} goes to {use}")
-        size = self._gated_packed_floats if gated else self._packed_floats
-        data = weight.data
-        if (
-            data.dtype != torch.float32
-            or data.dim() != 1
-            or not data.is_contiguous()
-            or data.numel() != size(weight.n, weight.k)
-        ):
-            raise ValueError(
-                f"a packed weight of {data.numel()} floats is not [{weight.n}, {weight.k}]"
-            )
         if x.shape[-1] != weight.k:
             raise ValueError(f"inputs of {x.shape[-1]} features for a weight of {weight.k}")
         x = x.contiguous()
