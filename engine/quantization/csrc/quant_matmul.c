@@ -192,22 +192,16 @@ static inline __attribute__((always_inline)) void int4_chunk(const uint8_t *w, i
     }
 }
 #elif defined(__AVX2__)
-/* A block's 16 packed bytes become 32 bytes in input order (low nibbles are inputs 0-15,
- * high 16-31), so xq keeps its natural order. vpmaddubsw multiplies the unsigned weight
- * bytes by the signed activation bytes and adds pairs into int16 (at most 2 * 15 * 127,
- * no saturation); vpmaddwd by ones widens to int32. A chunk within one group adds its two
- * blocks' pairs before widening and goes to a row's accumulator of its parity; across two
- * groups (of 32), block 0 goes to the first accumulator, block 1 to the second. */
-static inline int64_t act_position(int64_t i) { return i; }
-static inline __m256i block_weights(const uint8_t *w) {
-    __m128i b = _mm_loadu_si128((const __m128i *)w);
-    return _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(b, 4), b), _mm256_set1_epi8(15));
-}
-static inline __m256i block_pairs(__m256i v, const int8_t *xq) {
-    return _mm256_maddubs_epi16(v, _mm256_loadu_si256((const __m256i *)xq));
-}
-static inline __m256 widen(__m256i pairs) {
-    return _mm256_cvtepi32_ps(_mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
+/* A chunk's 32 packed bytes, masked, are inputs 0-15 and 32-47 (low nibbles) and, shifted
+ * down a nibble, 16-31 and 48-63: xq is stored in that order (act_position, as for
+ * AVX-512). vpmaddubsw multiplies the unsigned weight bytes by the signed activation bytes
+ * and adds pairs into int16; the two products add in int16 (at most 4 * 15 * 127), and
+ * vpmaddwd by ones widens to int32. The low 128-bit half then sums block 0, the high half
+ * block 1: one scale, or each half its own when the blocks are in different groups (of
+ * 32). A lone last block reads 16 bytes: the high halves are zero. */
+static inline int64_t act_position(int64_t i) {
+    int64_t o = i % CHUNK;
+    return i - o + (o % 32) / 16 * 32 + o / 32 * 16 + o % 16;
 }
 static inline __attribute__((always_inline)) void int4_chunk(const uint8_t *w, int two,
                                                               const int8_t *xq, int64_t ldxq,
@@ -215,18 +209,20 @@ static inline __attribute__((always_inline)) void int4_chunk(const uint8_t *w, i
                                                               const float *sx0, const float *sx1,
                                                               int64_t ldsx, int odd, int rows,
                                                               vf *acc) {
-    __m256i v0 = block_weights(w), v1 = two ? block_weights(w + BLOCK / 2) : v0;
+    __m256i b = two ? _mm256_loadu_si256((const __m256i *)w)
+                    : _mm256_zextsi128_si256(_mm_loadu_si128((const __m128i *)w));
+    __m256i nib = _mm256_set1_epi8(15);
+    __m256i lo = _mm256_and_si256(b, nib), hi = _mm256_and_si256(_mm256_srli_epi16(b, 4), nib);
     for (int r = 0; r < rows; r++) {
         const int8_t *x = xq + r * ldxq;
-        if (two && sx0 == sx1) { /* one group: the int16 pairs add (at most 4 * 15 * 127) */
-            __m256i p = _mm256_add_epi16(block_pairs(v0, x), block_pairs(v1, x + BLOCK));
-            acc[2 * r + odd] = vfma(widen(p), vset1(s0 * sx0[r * ldsx]), acc[2 * r + odd]);
-        } else {
-            acc[2 * r] = vfma(widen(block_pairs(v0, x)), vset1(s0 * sx0[r * ldsx]), acc[2 * r]);
-            if (two)
-                acc[2 * r + 1] = vfma(widen(block_pairs(v1, x + BLOCK)),
-                                      vset1(s1 * sx1[r * ldsx]), acc[2 * r + 1]);
-        }
+        __m256i p = _mm256_add_epi16(
+            _mm256_maddubs_epi16(lo, _mm256_loadu_si256((const __m256i *)x)),
+            _mm256_maddubs_epi16(hi, _mm256_loadu_si256((const __m256i *)(x + 32))));
+        __m256 scale = sx0 == sx1 ? vset1(s0 * sx0[r * ldsx])
+                                  : _mm256_set_m128(_mm_set1_ps(s1 * sx1[r * ldsx]),
+                                                    _mm_set1_ps(s0 * sx0[r * ldsx]));
+        __m256 d = _mm256_cvtepi32_ps(_mm256_madd_epi16(p, _mm256_set1_epi16(1)));
+        acc[2 * r + odd] = vfma(d, scale, acc[2 * r + odd]);
     }
 }
 #else
@@ -306,8 +302,39 @@ static void quantize_rows(const float *x, int64_t m, int64_t k, int64_t padded, 
 }
 
 /* sum_g s[g] * z[g] * xqsum[g]: the zero points' share of one output, one product per
- * group, in four independent sums (one chain of dependent adds was as slow as the
- * products for K = 3072). */
+ * group. AVX2 takes eight groups per instruction (the scalar loop was a quarter of a
+ * 768-input row's instructions at batch 1); elsewhere four independent sums (one chain of
+ * dependent adds was as slow as the products for K = 3072). */
+#if defined(__AVX2__)
+/* a + s * z * xqsum for eight groups, z's eight bytes given as one integer */
+static inline __m256 zero_terms(__m256 a, __m256 s, uint64_t z, __m256 xqsum) {
+    __m256 zf = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128((int64_t)z)));
+    return _mm256_fmadd_ps(_mm256_mul_ps(s, zf), xqsum, a);
+}
+static inline float zero_share(const float *s, const uint8_t *z, const float *xqsum,
+                               int64_t groups) {
+    __m256 a = _mm256_setzero_ps();
+    uint64_t zz;
+    int64_t g = 0;
+    for (; g + 8 <= groups; g += 8) {
+        memcpy(&zz, z + g, sizeof zz);
+        a = zero_terms(a, _mm256_loadu_ps(s + g), zz, _mm256_loadu_ps(xqsum + g));
+    }
+    int64_t rest = groups - g;
+    if (rest > 0 && groups >= 8) { /* the last few, masked; z's 8 bytes read up to its end */
+        static const int32_t lanes[16] = {-1, -1, -1, -1, -1, -1, -1, -1};
+        __m256i mask = _mm256_loadu_si256((const __m256i *)(lanes + 8 - rest));
+        memcpy(&zz, z + groups - 8, sizeof zz);
+        a = zero_terms(a, _mm256_maskload_ps(s + g, mask), zz >> (8 * (8 - rest)),
+                       _mm256_maskload_ps(xqsum + g, mask));
+    } else {
+        for (; g < groups; g++) a[0] += s[g] * (float)z[g] * xqsum[g];
+    }
+    __m128 h = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+    h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+    return _mm_cvtss_f32(_mm_add_ss(h, _mm_movehdup_ps(h)));
+}
+#else
 static inline float zero_share(const float *s, const uint8_t *z, const float *xqsum,
                                int64_t groups) {
     float part[4] = {0.0f, 0.0f, 0.0f, 0.0f};
@@ -317,6 +344,7 @@ static inline float zero_share(const float *s, const uint8_t *z, const float *xq
     for (; g < groups; g++) part[0] += s[g] * (float)z[g] * xqsum[g];
     return (part[0] + part[1]) + (part[2] + part[3]);
 }
+#endif
 
 int tandem_int4_matmul(const float *x, int64_t m, int64_t k, const uint8_t *q,
                        const float *scales, const uint8_t *zeros, int64_t group,
