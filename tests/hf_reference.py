@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import random
 from functools import cache
 from pathlib import Path
@@ -23,21 +24,23 @@ def _hf_model(model_dir: str):
 
 
 def hf_greedy(model_dir: Path, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
-    """``generate`` one prompt at a time (no padding), EOS ignored, float32."""
+    """The argmax of ``transformers``' logits at every step, one prompt at a time (no
+    padding), float32, with its own KV cache: what greedy decoding with EOS ignored
+    (``ignore_eos``) means. Not ``generate(min_new_tokens=...)``, which masks the EOS
+    logits and so picks the runner-up wherever EOS is on top."""
     model = _hf_model(str(model_dir))
+    # the cache argument's name: ``cache`` in newer releases, ``past_key_values`` before
+    name = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
     outputs = []
     with torch.inference_mode():
         for prompt in prompts:
-            ids = torch.tensor([prompt])
-            out = model.generate(
-                ids,
-                attention_mask=torch.ones_like(ids),
-                max_new_tokens=max_new_tokens,
-                min_new_tokens=max_new_tokens,
-                do_sample=False,
-                pad_token_id=0,
-            )
-            outputs.append(out[0, len(prompt) :].tolist())
+            ids, past, tokens = torch.tensor([prompt]), None, []
+            for _ in range(max_new_tokens):
+                out = model(input_ids=ids, use_cache=True, **{name: past})
+                past = out.past_key_values
+                tokens.append(int(out.logits[0, -1].argmax()))
+                ids = torch.tensor([[tokens[-1]]])
+            outputs.append(tokens)
     return outputs
 
 

@@ -131,19 +131,20 @@ def test_every_linear_backend_matches(arch: str, reference, prompts) -> None:
         assert_pool_idle(llm)
 
 
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
 def test_a_cpu_whose_best_is_avx2_defaults_to_the_native_gemm(
-    reference, prompts, monkeypatch
+    arch: str, reference, prompts, monkeypatch
 ) -> None:
     """What an AVX2-only machine runs without flags: a model of hidden size 256 packs
-    onto the native GEMM (every linear, the MLP with gate and up fused) and
-    still gives transformers' tokens."""
+    onto the native GEMM (every linear, the MLP with gate and up fused; Qwen2's q/k/v
+    biases in the epilogue) and still gives transformers' tokens."""
     from tandem.engine.layers.linear import NativeGatedMLP, NativeLinear
     from tandem.engine.native_build import ISA_ENV, Isa, supported_isas
 
     if Isa.AVX2 not in supported_isas():
         pytest.skip("this CPU has no AVX2")
     monkeypatch.setenv(ISA_ENV, "avx2")
-    model_dir, expected = reference("llama", size="small")
+    model_dir, expected = reference(arch, size="small")
     llm = LLM(model_dir, dtype="float32", num_kv_blocks=256)
     modules = list(llm.engine.runner.model.modules())
     assert sum(isinstance(m, NativeGatedMLP) for m in modules) == 6  # every layer's MLP

@@ -28,6 +28,7 @@ from tandem.tools.training import (
     train,
     train_pair,
 )
+from tests.hf_reference import hf_greedy
 
 transformers = pytest.importorskip("transformers")
 
@@ -163,22 +164,12 @@ def test_dense_attention_matches_the_paged_reference(heads: int, kv_heads: int, 
 def test_engine_and_transformers_greedy_outputs_agree(checkpoint: Path) -> None:
     from tandem.engine import LLM, SamplingParams
 
-    hf = _hf_model(checkpoint)
     tokenizer = transformers.AutoTokenizer.from_pretrained(checkpoint)
     llm = LLM(str(checkpoint), dtype="float32")
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
     for prompt, output in zip(PROMPTS, llm.generate(list(PROMPTS), params), strict=True):
-        ids = tokenizer(prompt, return_tensors="pt").input_ids
-        with torch.no_grad():
-            expected = hf.generate(
-                ids,
-                attention_mask=torch.ones_like(ids),
-                max_new_tokens=16,
-                min_new_tokens=16,
-                do_sample=False,
-                pad_token_id=0,
-            )
-        assert output.token_ids == expected[0, ids.shape[1] :].tolist(), prompt
+        ids = tokenizer(prompt).input_ids
+        assert [output.token_ids] == hf_greedy(checkpoint, [ids], 16), prompt
 
 
 def test_learning_rate_warms_up_then_decays_to_the_floor() -> None:
