@@ -27,6 +27,7 @@ from tandem.engine.quantization.linear import (
     INT4_KERNEL_ROWS,
     MAX_KERNEL_ROWS,
     QuantizedLinear,
+    int4_fused_rows,
 )
 from tandem.engine.quantization.scheme import (
     QuantizationConfig,
@@ -137,14 +138,21 @@ def test_kernels_cover_their_blocking_and_a_zero_row(kernels, k: int, group: int
     then a lone block: k = 32 ... 300 reach each) and a pair may span two groups of 32;
     int8 takes four vectors at a time, then single vectors, then a scalar tail; rows go
     four at a time,
-    then one by one; an all-zero row has no activation scale."""
-    w, x = _weight(24, k, seed=k + group), torch.randn(5, k)
-    x[2] = 0.0
+    then one by one; an all-zero row has no activation scale. From int4_panel_rows rows
+    on (19: whole row tiles of 3 or 4, then one or three left), int4 takes the panel
+    kernel: 40 outputs are a whole panel of 16 / 32 and a partial one."""
+    w = _weight(40, k, seed=k + group)
     q = quantize_int4(w, group)
-    got = kernels.int4_matmul(x, q.qweight, q.scales, q.zeros, group, None)
-    expected = _int8_groups(x, group) @ dequantize(q, QuantMethod.INT4, group).T
-    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
-    assert (got[2] == 0).all()
+    reference = dequantize(q, QuantMethod.INT4, group)
+    for rows in (5, 19):
+        x = torch.randn(rows, k)
+        x[2] = 0.0
+        got = kernels.int4_matmul(x, q.qweight, q.scales, q.zeros, group, None)
+        expected = _int8_groups(x, group) @ reference.T
+        torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
+        assert (got[2] == 0).all()
+    w, x = w[:24], torch.randn(5, k)
+    x[2] = 0.0
     q8 = quantize_int8(w[:, : k - group // 32])  # k - 1, - 2, - 4: partial vectors
     got = kernels.int8_matmul(x[:, : k - group // 32].contiguous(), q8.qweight, q8.scales, None)
     expected = x[:, : k - group // 32] @ dequantize(q8, QuantMethod.INT8, 0).T
@@ -166,6 +174,28 @@ def test_a_rows_result_depends_on_neither_its_batch_nor_the_threads(kernels) -> 
         torch.set_num_threads(threads)
 
 
+def test_the_panel_kernels_rows_depend_on_neither_their_batch_nor_the_threads(kernels) -> None:
+    """From int4_panel_rows rows on: a row's output is the same in any batch of such rows,
+    at any position (row tiles and their remainder) and with any thread count."""
+    if not kernels.int4_panel_rows:
+        pytest.skip("the portable build has no panel kernel")
+    first = kernels.int4_panel_rows
+    w, x = _weight(72, 200, seed=2), torch.randn(first + 7, 200)
+    q = quantize_int4(w, 64)
+    batch = kernels.int4_matmul(x, q.qweight, q.scales, q.zeros, 64, None)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        for row in (0, 5, first + 6):
+            others = torch.randn(first, 200)
+            for at in (0, first - 1):
+                mixed = torch.cat([others[:at], x[row : row + 1], others[at:]])
+                alone = kernels.int4_matmul(mixed, q.qweight, q.scales, q.zeros, 64, None)
+                assert torch.equal(alone[at], batch[row])
+    finally:
+        torch.set_num_threads(threads)
+
+
 @pytest.mark.parametrize("method", list(QuantMethod))
 def test_quantized_linear_takes_the_gemm_path_beyond_the_kernel_rows(kernels, method) -> None:
     linear = torch.nn.Linear(70, 40)
@@ -178,7 +208,7 @@ def test_quantized_linear_takes_the_gemm_path_beyond_the_kernel_rows(kernels, me
 
     layer = QuantizedLinear(weight, linear.bias, config, kernels, (Span(0, 40),))
     reference = dequantize(weight, method, 32)
-    fused = MAX_KERNEL_ROWS if method is QuantMethod.INT8 else INT4_KERNEL_ROWS
+    fused = MAX_KERNEL_ROWS if method is QuantMethod.INT8 else int4_fused_rows(kernels)
     for rows in (1, MAX_KERNEL_ROWS, MAX_KERNEL_ROWS + 1, 40, INT4_KERNEL_ROWS + 1):
         x = torch.randn(rows, 70)
         int8_rows = (method is QuantMethod.INT4) == (rows <= fused)

@@ -168,6 +168,9 @@ class QuantKernels:
             + [ctypes.c_void_p] * 3
             + [ctypes.c_int]
         )
+        self.int4_panel_rows: int = library.tandem_int4_panel_rows()
+        """From this many rows on ``int4_matmul`` takes the panel kernel (output channels
+        in the vector lanes, their nibbles unpacked once per call); 0: never (portable)."""
         name = library.tandem_quant_isa
         name.restype = ctypes.c_char_p
         built = name().decode()

@@ -8,10 +8,11 @@ compute-bound: int8 rounds each row of activations to int8 (one scale per row; c
 ``[-127, 127]``, or ``[-64, 64]`` with the AVX2 build, whose byte products saturate
 beyond: ``QuantKernels.act_max``) and multiplies integers, exactly, with
 ``torch._int_mm`` or the native kernel (``IntGemm``, chosen once per model:
-``TANDEM_INT8_GEMM=native`` forces the native one). int4 keeps
-its fused kernel (int8 activations per group, integer dot products) up to
-``INT4_KERNEL_ROWS`` rows and beyond that dequantizes its weight to float32 in C and
-runs a float GEMM.
+``TANDEM_INT8_GEMM=native`` forces the native one). int4 keeps its native kernel (int8
+activations per group, integer dot products) at every row count with the AVX2 and
+AVX-512 builds, whose panel kernel takes 16 rows and more; the portable build's
+kernel only up to ``INT4_KERNEL_ROWS`` rows, beyond which the weight is dequantized to
+float32 in C for a float GEMM.
 
 Tensor parallelism: each rank quantizes its own slice. A column-parallel slice is whole
 rows, so it quantizes as the full weight would. A row-parallel slice is a range of input
@@ -24,6 +25,8 @@ rows), so each rank's integers are a slice of the one-rank product's.
 """
 
 from __future__ import annotations
+
+import sys
 
 import torch
 import torch.nn.functional as F
@@ -55,10 +58,17 @@ MAX_KERNEL_ROWS = 16
 """Rows up to which int8's fused float-activation kernel is used (the issue's M <= 16);
 beyond, int8 activations and integer products are cheaper."""
 INT4_KERNEL_ROWS = 128
-"""Rows up to which int4's fused kernel beats dequantize + float GEMM: the kernel's cost
-grows with the rows, the dequantization's does not. Summed over the medium model's four
-projection shapes (2 threads, AVX-512): 0.33x the dequantize + GEMM time at 32 rows,
-0.58x at 64, 0.79x at 128, 1.05x at 256."""
+"""Rows up to which the portable build's int4 kernel is used; beyond, dequantize + float
+GEMM (the kernel's cost grows with the rows, the dequantization's does not; the
+one-row-at-a-time loop measured, over the medium model's four projection shapes, 0.79x
+the dequantize + GEMM time at 128 rows and 1.05x at 256). The AVX2 / AVX-512 panel
+kernel has no such limit: 0.39-0.40x the dequantize + GEMM time at 512-1,024 rows with
+AVX-512, 0.57-0.75x with AVX2."""
+
+
+def int4_fused_rows(kernels: QuantKernels) -> int:
+    """The most rows ``kernels`` multiply int4 weights with (beyond: dequantize)."""
+    return sys.maxsize if kernels.int4_panel_rows else INT4_KERNEL_ROWS
 
 
 class QuantizedLinear(nn.Module):
@@ -89,7 +99,7 @@ class QuantizedLinear(nn.Module):
         self.out_features = weight.qweight.shape[0]
         self.method, self.group_size = config.method, config.group_size
         int8 = config.method is QuantMethod.INT8
-        self.fused_rows = MAX_KERNEL_ROWS if int8 else INT4_KERNEL_ROWS
+        self.fused_rows = MAX_KERNEL_ROWS if int8 else int4_fused_rows(kernels)
         self.kernels = kernels
         self.register_buffer("qweight", weight.qweight)
         self.register_buffer("scales", weight.scales)
