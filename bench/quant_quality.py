@@ -76,7 +76,7 @@ def _tokenizer(model: Path):
 def perplexity(model: Path, tokens: list[int], setting: tuple[str, int] | None) -> float:
     from transformers import AutoModelForCausalLM
 
-    hf = AutoModelForCausalLM.from_pretrained(str(model), torch_dtype=torch.float32).eval()
+    hf = AutoModelForCausalLM.from_pretrained(str(model), dtype=torch.float32).eval()
     if setting is not None:
         _quantize_projections(hf, setting)
     nll, count = 0.0, 0

@@ -12,9 +12,11 @@
  * int8 multiplies float activations (each weight widened to float, FMAs). int4 rounds
  * each row of activations to int8 first and multiplies integers (see tandem_int4_matmul):
  * the float path spent more on unpacking and converting nibbles than int8 did on its
- * bytes, so halving the weight bytes bought nothing. Beyond 16 rows int8 weights multiply
- * int8 activations too (tandem_int8_int8_matmul, at the end): there compute, not weight
- * traffic, is the cost, and integer products are cheaper than float ones.
+ * bytes, so halving the weight bytes bought nothing; from 16 rows on (x86 builds) int4
+ * puts the output channels in the vector lanes instead (int4_panel_matmul, at the end).
+ * Beyond 16 rows int8 weights multiply int8 activations too (tandem_int8_int8_matmul):
+ * there compute, not weight traffic, is the cost, and integer products are cheaper than
+ * float ones.
  *
  * Compiled once per instruction set (see kernels.py): with -mavx512f.. -mavx512vnni the
  * vector type is 16 floats, with -mavx2 8, otherwise GCC's generic vector extension of 4
