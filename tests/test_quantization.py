@@ -174,12 +174,17 @@ def test_a_rows_result_depends_on_neither_its_batch_nor_the_threads(kernels) -> 
         torch.set_num_threads(threads)
 
 
-def test_the_panel_kernels_rows_depend_on_neither_their_batch_nor_the_threads(kernels) -> None:
-    """From int4_panel_rows rows on: a row's output is the same in any batch of such rows,
-    at any position (row tiles and their remainder) and with any thread count."""
-    if not kernels.int4_panel_rows:
-        pytest.skip("the portable build has no panel kernel")
+@pytest.mark.parametrize("isa", [i.value for i in supported_isas() if i is not Isa.PORTABLE])
+def test_the_panel_kernels_rows_depend_on_neither_their_batch_nor_the_threads(
+    isa: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """From int4_panel_rows rows on (the x86 builds; the portable one has no panel
+    kernel): a row's output is the same in any batch of such rows, at any position (row
+    tiles and their remainder) and with any thread count."""
+    monkeypatch.setenv(ISA_ENV, isa)
+    kernels = quant_kernels(select_isa())
     first = kernels.int4_panel_rows
+    assert first > 1
     w, x = _weight(72, 200, seed=2), torch.randn(first + 7, 200)
     q = quantize_int4(w, 64)
     batch = kernels.int4_matmul(x, q.qweight, q.scales, q.zeros, 64, None)
@@ -209,6 +214,8 @@ def test_quantized_linear_takes_the_gemm_path_beyond_the_kernel_rows(kernels, me
     layer = QuantizedLinear(weight, linear.bias, config, kernels, (Span(0, 40),))
     reference = dequantize(weight, method, 32)
     fused = MAX_KERNEL_ROWS if method is QuantMethod.INT8 else int4_fused_rows(kernels)
+    if method is QuantMethod.INT4:  # the portable build dequantizes beyond its loop's rows
+        assert (fused == INT4_KERNEL_ROWS) == (kernels.isa is Isa.PORTABLE)
     for rows in (1, MAX_KERNEL_ROWS, MAX_KERNEL_ROWS + 1, 40, INT4_KERNEL_ROWS + 1):
         x = torch.randn(rows, 70)
         int8_rows = (method is QuantMethod.INT4) == (rows <= fused)
