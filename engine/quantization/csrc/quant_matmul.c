@@ -734,36 +734,25 @@ void tandem_int8_quantize_rows(const float *x, int64_t m, int64_t k, const float
 #define PANEL_C 2
 #define PANEL_LANES (IVL / 4)
 #define PANEL_NB (PANEL_C * PANEL_LANES)
-#if IVL == 64
-#define PANEL_R 4
-typedef __m512 pf;
+/* vf, vload, vset1 and vfma are the float helpers at the top of the file (16 or 8 lanes,
+ * as many as the integer vector has int32 words). */
 static inline vi panel_bcast(const int8_t *x) {
     int32_t v;
     memcpy(&v, x, sizeof v);
+#if IVL == 64
     return _mm512_set1_epi32(v);
 }
-static inline pf pf_int(vi a) { return _mm512_cvtepi32_ps(a); }
-static inline pf pf_load(const float *p) { return _mm512_loadu_ps(p); }
-static inline pf pf_set1(float a) { return _mm512_set1_ps(a); }
-static inline pf pf_mul(pf a, pf b) { return _mm512_mul_ps(a, b); }
-static inline pf pf_fma(pf a, pf b, pf c) { return _mm512_fmadd_ps(a, b, c); }
-static inline pf pf_fnma(pf a, pf b, pf c) { return _mm512_fnmadd_ps(a, b, c); }
-static inline void pf_store(float *p, pf a) { _mm512_storeu_ps(p, a); }
+#define PANEL_R 4
+static inline vf vf_int(vi a) { return _mm512_cvtepi32_ps(a); }
+static inline vf vfnma(vf a, vf b, vf c) { return _mm512_fnmadd_ps(a, b, c); }
+static inline void vstore(float *p, vf a) { _mm512_storeu_ps(p, a); }
 #else
-#define PANEL_R 3
-typedef __m256 pf;
-static inline vi panel_bcast(const int8_t *x) {
-    int32_t v;
-    memcpy(&v, x, sizeof v);
     return _mm256_set1_epi32(v);
 }
-static inline pf pf_int(vi a) { return _mm256_cvtepi32_ps(a); }
-static inline pf pf_load(const float *p) { return _mm256_loadu_ps(p); }
-static inline pf pf_set1(float a) { return _mm256_set1_ps(a); }
-static inline pf pf_mul(pf a, pf b) { return _mm256_mul_ps(a, b); }
-static inline pf pf_fma(pf a, pf b, pf c) { return _mm256_fmadd_ps(a, b, c); }
-static inline pf pf_fnma(pf a, pf b, pf c) { return _mm256_fnmadd_ps(a, b, c); }
-static inline void pf_store(float *p, pf a) { _mm256_storeu_ps(p, a); }
+#define PANEL_R 3
+static inline vf vf_int(vi a) { return _mm256_cvtepi32_ps(a); }
+static inline vf vfnma(vf a, vf b, vf c) { return _mm256_fnmadd_ps(a, b, c); }
+static inline void vstore(float *p, vf a) { _mm256_storeu_ps(p, a); }
 #endif
 
 /* Eight vectors of eight int32 words transposed: r[i][j] becomes r[j][i]. */
@@ -823,9 +812,9 @@ static inline __attribute__((always_inline)) void int4_panel_rows(
     const uint8_t *panel, int64_t quads, int64_t group_quads, int64_t groups, const float *sg,
     const float *szg, const int8_t *xq, int64_t ldxq, const float *sx, const float *xqsum,
     int rows, const float *bias, int cols, float *out, int64_t ldy) {
-    pf acc[PANEL_R][PANEL_C];
+    vf acc[PANEL_R][PANEL_C];
     for (int r = 0; r < rows; r++)
-        for (int c = 0; c < PANEL_C; c++) acc[r][c] = pf_set1(0.0f);
+        for (int c = 0; c < PANEL_C; c++) acc[r][c] = vzero();
     for (int64_t g = 0; g < groups; g++) {
         vi sums[PANEL_R][PANEL_C];
         for (int r = 0; r < rows; r++)
@@ -841,17 +830,17 @@ static inline __attribute__((always_inline)) void int4_panel_rows(
             }
         }
         for (int r = 0; r < rows; r++) {
-            pf a = pf_set1(sx[r * groups + g]), z = pf_set1(xqsum[r * groups + g]);
+            vf a = vset1(sx[r * groups + g]), z = vset1(xqsum[r * groups + g]);
             for (int c = 0; c < PANEL_C; c++) {
-                pf s = pf_load(sg + g * PANEL_NB + c * PANEL_LANES);
-                pf sz = pf_load(szg + g * PANEL_NB + c * PANEL_LANES);
-                acc[r][c] = pf_fnma(sz, z, pf_fma(pf_int(sums[r][c]), pf_mul(s, a), acc[r][c]));
+                vf s = vload(sg + g * PANEL_NB + c * PANEL_LANES);
+                vf sz = vload(szg + g * PANEL_NB + c * PANEL_LANES);
+                acc[r][c] = vfnma(sz, z, vfma(vf_int(sums[r][c]), s * a, acc[r][c]));
             }
         }
     }
     for (int r = 0; r < rows; r++) {
         float lanes[PANEL_NB];
-        for (int c = 0; c < PANEL_C; c++) pf_store(lanes + c * PANEL_LANES, acc[r][c]);
+        for (int c = 0; c < PANEL_C; c++) vstore(lanes + c * PANEL_LANES, acc[r][c]);
         for (int c = 0; c < cols; c++) out[r * ldy + c] = lanes[c] + (bias ? bias[c] : 0.0f);
     }
 }
