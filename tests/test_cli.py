@@ -118,6 +118,15 @@ def test_only_the_engine_flags_given_reach_the_engine() -> None:
     EngineConfig(model="m", **worker.engine_settings(args))  # all valid engine fields
 
 
+def test_kv_cache_dtype_takes_vllm_fp8_spelling(capsys: pytest.CaptureFixture[str]) -> None:
+    args = build_parser().parse_args(["decode-worker", *SERVER, "--kv-cache-dtype", "fp8_e4m3"])
+    settings = worker.engine_settings(args)
+    assert settings == {"kv_cache_dtype": "fp8_e4m3"}
+    EngineConfig(model="m", **settings)
+    err = _parse_error(["decode-worker", *SERVER, "--kv-cache-dtype", "fp16"], capsys)
+    assert "invalid choice: 'fp16'" in err
+
+
 def test_quantize_lm_head_is_a_switch_with_a_value(capsys: pytest.CaptureFixture[str]) -> None:
     quantized = ["--quantization", "int8", "--quantize-lm-head", "true"]
     args = build_parser().parse_args(["prefill-worker", *SERVER, *quantized])

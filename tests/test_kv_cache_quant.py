@@ -156,6 +156,8 @@ def test_engine_sizes_the_pool_from_the_real_block_bytes(make_checkpoint) -> Non
 def test_config_refuses_bad_values_by_name() -> None:
     with pytest.raises(ValueError, match="kv_cache_dtype must be one of auto, int8, fp8"):
         EngineConfig("m", kv_cache_dtype="int4")
+    with pytest.raises(ValueError, match=r"got 'fp8_e5m2' \(fp8 stores e4m3 codes"):
+        EngineConfig("m", kv_cache_dtype="fp8_e5m2")
     with pytest.raises(ValueError, match="kv_cache_dtype 'int8' needs attention_backend"):
         EngineConfig("m", kv_cache_dtype="int8", attention_backend="flash")
 
@@ -278,3 +280,23 @@ def test_tensor_parallel_ranks_quantize_their_own_heads(model_dir, kv_dtype, pro
         assert llm.engine.runner.kv_caches[0].dtype == torch.uint8
         outs = llm.generate(prompts, GREEDY)
     assert [o.token_ids for o in outs] == reference
+
+
+def test_vllm_spelling_fp8_e4m3_is_the_fp8_cache(make_checkpoint) -> None:
+    """``fp8_e4m3`` (vLLM's name) builds the fp8 cache: the same layout, so a worker
+    started with either spelling passes the other's transfer handshake, and the same
+    tokens."""
+    model = str(make_checkpoint("llama"))
+    layouts, tokens = {}, {}
+    for kind in ("fp8", "fp8_e4m3"):
+        with LLM(model, dtype="float32", num_kv_blocks=256, kv_cache_dtype=kind) as llm:
+            runner = llm.engine.runner
+            layouts[kind] = runner.layout
+            out = llm.generate(
+                [[5, 9, 13, 2, 7]], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+            )
+            tokens[kind] = out[0].token_ids
+        assert runner.kv_caches[0].dtype == torch.uint8
+    assert layouts["fp8_e4m3"] == layouts["fp8"]
+    assert layouts["fp8"].kv_cache_dtype is KVCacheDtype.FP8
+    assert tokens["fp8_e4m3"] == tokens["fp8"]

@@ -141,10 +141,21 @@ def cache_row(kind: KVCacheDtype, head_dim: int, dtype: torch.dtype) -> tuple[in
     return head_dim, dtype
 
 
+KV_CACHE_DTYPE_ALIASES: dict[str, KVCacheDtype] = {"fp8_e4m3": KVCacheDtype.FP8}
+"""Other names a vLLM user passes for the same storage; a layout, a handshake or a log
+line always names the canonical value."""
+
+
 def parse_kv_cache_dtype(name: str) -> KVCacheDtype:
-    """``ValueError`` naming the valid choices for an unknown name."""
+    """The storage ``name`` (or its alias) stands for; ``ValueError`` naming the valid
+    choices for an unknown name."""
+    if name in KV_CACHE_DTYPE_ALIASES:
+        return KV_CACHE_DTYPE_ALIASES[name]
     try:
         return KVCacheDtype(name)
     except ValueError:
-        valid = ", ".join(k.value for k in KVCacheDtype)
-        raise ValueError(f"kv_cache_dtype must be one of {valid}; got {name!r}") from None
+        valid = ", ".join([*(k.value for k in KVCacheDtype), *KV_CACHE_DTYPE_ALIASES])
+        hint = ""
+        if name == "fp8_e5m2":
+            hint = " (fp8 stores e4m3 codes with a scale per token and head; e5m2 is not built)"
+        raise ValueError(f"kv_cache_dtype must be one of {valid}; got {name!r}{hint}") from None

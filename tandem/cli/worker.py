@@ -103,8 +103,9 @@ ENGINE_FLAGS: tuple[EngineFlag, ...] = (
     EngineFlag(
         "kv-cache-dtype",
         str,
-        "KV cache storage: auto (the model dtype) or 1-byte int8 / fp8 (e4m3) values with a "
-        "scale per token and head, ~4x the blocks per GiB (default: auto)",
+        "KV cache storage: auto (the model dtype) or 1-byte int8 / fp8 (e4m3; also spelled "
+        "fp8_e4m3) values with a scale per token and head, ~4x the blocks per GiB "
+        "(default: auto)",
         KV_CACHE_DTYPES,
     ),
     EngineFlag(
