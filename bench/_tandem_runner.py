@@ -74,9 +74,9 @@ class TandemOffline:
         }
 
     def _budget_blocks(self) -> int:
-        """Blocks ``kv_cache_memory_gb`` holds. The engine's pool is this, unless
-        ``max_num_seqs`` full-length sequences need fewer: the pool is capped there, so it
-        can hide the difference a smaller block makes."""
+        """Blocks ``kv_cache_memory_gb`` holds: the engine's pool when the budget is
+        given; without one, the pool (a default budget, capped at what ``max_num_seqs``
+        full-length sequences need)."""
         if self.job.kv_cache_memory_gb is None:
             return self.llm.engine.num_kv_blocks
         budget = self.job.kv_cache_memory_gb * 2**30

@@ -42,7 +42,8 @@ class EngineConfig:
     num_kv_blocks: int | None = None
     """Exact pool size; ``None``: from ``kv_cache_memory_gb`` / GPU free memory."""
     kv_cache_memory_gb: float | None = None
-    """KV budget; ``None``: 4 GiB on CPU, ``gpu_memory_utilization`` of free memory on GPU."""
+    """KV pool size, used whole; ``None``: 4 GiB on CPU, ``gpu_memory_utilization`` of free
+    memory on GPU, either capped at what ``max_num_seqs`` full-length sequences need."""
     gpu_memory_utilization: float = 0.9
     max_num_seqs: int = 128
     max_num_batched_tokens: int | None = None
@@ -263,14 +264,20 @@ def _device(name: str) -> torch.device:
 
 
 def num_kv_blocks(config: EngineConfig, runtime: EngineRuntime, bytes_per_block: int) -> int:
-    """How many blocks the KV pool gets. Never more than ``max_num_seqs`` full-length
-    sequences need; never fewer than one full-length sequence needs."""
+    """How many blocks the KV pool gets: ``num_kv_blocks``, or as many as
+    ``kv_cache_memory_gb`` holds (a quantized cache's smaller blocks give more of them;
+    blocks beyond what the running sequences hold keep prefixes cached). Without either,
+    the default budget (CPU: ``DEFAULT_CPU_KV_CACHE_GB``; GPU: free memory times
+    ``gpu_memory_utilization``) is capped at what ``max_num_seqs`` full-length sequences
+    need, so a small model does not take the whole budget. Never fewer blocks than one
+    full-length sequence needs."""
     if config.num_kv_blocks is not None:
         blocks = config.num_kv_blocks
     else:
         blocks = int(_kv_budget_bytes(config, runtime) // bytes_per_block)
-        per_seq = -(-runtime.max_model_len // runtime.block_size)
-        blocks = min(blocks, config.max_num_seqs * per_seq)
+        if config.kv_cache_memory_gb is None:
+            per_seq = -(-runtime.max_model_len // runtime.block_size)
+            blocks = min(blocks, config.max_num_seqs * per_seq)
     needed = -(-runtime.max_model_len // runtime.block_size)
     if blocks < needed:
         raise ValueError(

@@ -19,6 +19,7 @@ def test_rounds_report_the_median_round_of_each_pair(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     argv = ["--quick", "--systems", "tandem,tandem-int8-kv8", "--workloads", "A"]
+    argv += ["--kv-cache-memory-gb", "1"]  # each engine allocates the budget it is given
     assert main([*argv, "--rounds", "2", "--results-dir", str(tmp_path)]) == 0
     report = json.loads((tmp_path / "throughput.json").read_text())
     assert report["rounds"] == 2

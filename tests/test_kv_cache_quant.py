@@ -136,21 +136,42 @@ def test_pool_holds_about_four_times_the_blocks() -> None:
     assert f32 / i8 > 3.7
 
 
-def test_engine_sizes_the_pool_from_the_real_block_bytes(make_checkpoint) -> None:
+@pytest.mark.parametrize("max_num_seqs", [128, 1])
+def test_engine_sizes_the_pool_from_the_real_block_bytes(make_checkpoint, max_num_seqs) -> None:
+    """A given ``kv_cache_memory_gb`` holds ~4x the quantized blocks, also beyond what
+    ``max_num_seqs`` full-length sequences need."""
     model = str(make_checkpoint("llama"))
     engines = {
         kind: LLMEngine(
-            EngineConfig(model, dtype="float32", kv_cache_memory_gb=0.01, kv_cache_dtype=kind),
+            EngineConfig(
+                model,
+                dtype="float32",
+                kv_cache_memory_gb=0.01,
+                kv_cache_dtype=kind,
+                max_num_seqs=max_num_seqs,
+            ),
             detokenize=False,
         )
         for kind in ("auto", "int8", "fp8")
     }
     blocks = {kind: engine.num_kv_blocks for kind, engine in engines.items()}
+    for kind, engine in engines.items():
+        assert blocks[kind] == int(0.01 * 2**30) // engine.runner.layout.bytes_per_block
+    runtime = engines["auto"].runtime
+    if max_num_seqs == 1:  # past where a default budget is capped
+        assert blocks["int8"] > -(-runtime.max_model_len // runtime.block_size)
     dim = engines["auto"].runner.layout.head_dim
     assert blocks["int8"] == blocks["fp8"]
     assert blocks["int8"] / blocks["auto"] == pytest.approx(4 * dim / (dim + 4), rel=0.01)
     cache = engines["int8"].runner.kv_caches[0]
     assert cache.dtype == torch.uint8 and cache.shape[1:] == (blocks["int8"], 16, 2, dim + 4)
+
+
+def test_default_pool_is_capped_at_max_num_seqs_full_sequences(make_checkpoint) -> None:
+    config = EngineConfig(str(make_checkpoint("llama")), dtype="float32", max_num_seqs=2)
+    engine = LLMEngine(config, detokenize=False)
+    per_seq = -(-engine.runtime.max_model_len // engine.runtime.block_size)
+    assert engine.num_kv_blocks == 2 * per_seq
 
 
 def test_config_refuses_bad_values_by_name() -> None:

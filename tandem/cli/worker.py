@@ -67,7 +67,8 @@ ENGINE_FLAGS: tuple[EngineFlag, ...] = (
     EngineFlag(
         "kv-cache-memory-gb",
         float,
-        "KV pool budget (default: 4 GiB on CPU, 90%% of free memory on GPU)",
+        "KV pool size, used whole (default: 4 GiB on CPU, 90%% of free memory on GPU, "
+        "either capped at what --max-num-seqs full-length sequences need)",
     ),
     EngineFlag("max-num-seqs", positive_int, "most sequences batched per step (default: 128)"),
     EngineFlag(
