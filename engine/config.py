@@ -202,7 +202,7 @@ def resolve_runtime(config: EngineConfig, model: ModelConfig) -> EngineRuntime:
             )
     requested = AttentionBackendKind(config.attention_backend) if config.attention_backend else None
     kv_cache_dtype = parse_kv_cache_dtype(config.kv_cache_dtype)
-    backend = select_backend_kind(requested, device, dtype)
+    backend = select_backend_kind(requested, device, dtype, model.head_dim)
     if kv_cache_dtype.quantized and backend is AttentionBackendKind.FLASH:
         backend = AttentionBackendKind.SDPA  # flash was only the default (a request is refused)
     block_size = config.block_size or (
@@ -245,11 +245,10 @@ def _quantization(
     stored = stored_quantization(config.model)
     if stored is None:
         return requested, None
-    if requested is not None and requested != stored:
+    if requested is not None and not requested.matches(stored):
         raise ValueError(
-            f"checkpoint {config.model} is quantized ({stored.method.value}"
-            f"{f', group {stored.group_size}' if stored.method is QuantMethod.INT4 else ''}"
-            f"); quantization={config.quantization!r} differs (leave it unset)"
+            f"checkpoint {config.model} is quantized ({stored.describe()}); the requested "
+            f"{requested.describe()} differs (leave quantization unset to load it as written)"
         )
     return None, stored
 

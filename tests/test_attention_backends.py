@@ -115,3 +115,22 @@ def test_native_decode_rows_do_not_depend_on_how_threads_share_them(
         torch.set_num_threads(threads)
     torch.testing.assert_close(got[1], expected, rtol=1e-4, atol=1e-5)
     assert torch.equal(got[2], got[1]) and torch.equal(got[3], got[1])
+
+
+@pytest.mark.skipif(AttentionBackendKind.CPU not in KINDS, reason="native kernel unavailable")
+def test_native_kernel_refuses_head_dims_beyond_its_vectors() -> None:
+    """Its per-row vector arrays hold 64 vectors: beyond that head_dim the engine picks
+    SDPA, an explicit ``cpu`` is refused by name, and the kernel itself writes nothing."""
+    from tandem.engine.attention.base import native_cpu_max_head_dim, select_backend_kind
+    from tandem.engine.native_build import select_isa
+
+    limit = native_cpu_max_head_dim()
+    assert limit == 64 * {"avx512": 16, "avx2": 8, "portable": 4}[select_isa().value]
+    cpu, f32 = torch.device("cpu"), torch.float32
+    assert select_backend_kind(None, cpu, f32, limit) is AttentionBackendKind.CPU
+    assert select_backend_kind(None, cpu, f32, limit + 4) is AttentionBackendKind.SDPA
+    with pytest.raises(ValueError, match=f"head_dim <= {limit} .*head_dim {limit + 4}"):
+        select_backend_kind(AttentionBackendKind.CPU, cpu, f32, limit + 4)
+    q, k, v, cache, meta = _batch([1, 3], [5, 9], 2, 1, limit + 4, 0)
+    with pytest.raises(RuntimeError, match="head_dim beyond the kernel's"):
+        _run(AttentionBackendKind.CPU, q, k, v, cache, meta, None)

@@ -4,6 +4,8 @@ checkpoints, tensor parallelism, refused settings)."""
 
 from __future__ import annotations
 
+import json
+import shutil
 from collections.abc import Callable
 from pathlib import Path
 
@@ -16,6 +18,7 @@ from tandem.engine.config import EngineConfig
 from tandem.engine.llm_engine import LLMEngine
 from tandem.engine.native_build import ISA_ENV, Isa, select_isa, supported_isas
 from tandem.engine.parallel.layers import Span
+from tandem.engine.quantization.checkpoint import quantize_checkpoint
 from tandem.engine.quantization.kernels import (
     INT_GEMM_ENV,
     IntGemm,
@@ -485,8 +488,41 @@ def test_quantization_needs_float32_and_a_matching_checkpoint(tiny: Path, tmp_pa
     with pytest.raises(ValueError, match="quantization runs on the CPU in float32"):
         LLM(str(tiny), quantization="int8", dtype="bfloat16")
     tandem_main(["quantize", str(tiny), str(tmp_path / "q")])
-    with pytest.raises(ValueError, match=r"is quantized \(int8\); quantization='int4' differs"):
+    with pytest.raises(ValueError, match=r"is quantized \(int8\); the requested int4 \(group 64"):
         LLM(str(tmp_path / "q"), quantization="int4")
+    # int8 has no groups: the same method with any group size is the same checkpoint
+    LLM(str(tmp_path / "q"), quantization="int8", quantization_group_size=128).close()
+    q4 = tmp_path / "q4"
+    args = ["--quantization", "int4", "--group-size", "32", "--quantize-lm-head"]
+    tandem_main(["quantize", str(tiny), str(q4), *args])
+    message = r"\(int4 \(group 32\), LM head too\); the requested int4 \(group 32\) differs"
+    with pytest.raises(ValueError, match=message):
+        LLM(str(q4), quantization="int4", quantization_group_size=32)
+
+
+def test_quantize_refuses_its_own_source_and_a_corrupt_config(tiny: Path, tmp_path: Path) -> None:
+    source = tmp_path / "float"
+    shutil.copytree(tiny, source)
+    before = sorted(p.name for p in source.iterdir())
+    with pytest.raises(ValueError, match="the output directory is the source"):
+        quantize_checkpoint(source, source, QuantizationConfig(QuantMethod.INT8))
+    assert sorted(p.name for p in source.iterdir()) == before  # nothing deleted
+    out = tmp_path / "q"
+    quantize_checkpoint(source, out, QuantizationConfig(QuantMethod.INT8))
+    config = json.loads((out / "config.json").read_text())
+    for field, value, message in [
+        ("method", "int3", r"quantization_config.method must be one of \['int8', 'int4'\]"),
+        ("lm_head", "false", "quantization_config.lm_head must be true or false, got 'false'"),
+        ("group_size", "64", "quantization_config.group_size must be an integer"),
+    ]:
+        broken = {**config, "quantization_config": {**config["quantization_config"], field: value}}
+        (out / "config.json").write_text(json.dumps(broken))
+        with pytest.raises(ValueError, match=f"config.json: {message}"):
+            LLM(str(out))
+    del broken["quantization_config"]["method"]
+    (out / "config.json").write_text(json.dumps(broken))
+    with pytest.raises(ValueError, match=r"method must be one of .*got None"):
+        LLM(str(out))
 
 
 @pytest.mark.parametrize("role", ["prefill-worker", "decode-worker"])

@@ -60,28 +60,49 @@ def flash_attn_available() -> bool:
     return True
 
 
-def native_cpu_available(device: torch.device, dtype: torch.dtype) -> bool:
+def native_cpu_max_head_dim() -> int | None:
+    """The largest head_dim the native CPU kernel takes (by instruction set: 1,024 with
+    AVX-512, 512 with AVX2, 256 portable), or ``None`` when it cannot be built here."""
     from tandem.engine.attention.native import paged_decode_library
 
-    return device.type == "cpu" and dtype == torch.float32 and paged_decode_library() is not None
+    library = paged_decode_library()
+    return None if library is None else int(library.tandem_paged_decode_max_head_dim())
+
+
+def native_cpu_available(
+    device: torch.device, dtype: torch.dtype, head_dim: int | None = None
+) -> bool:
+    """Whether the native CPU kernel serves ``dtype`` on ``device`` (and ``head_dim``)."""
+    if device.type != "cpu" or dtype != torch.float32:
+        return False
+    limit = native_cpu_max_head_dim()
+    return limit is not None and (head_dim is None or head_dim <= limit)
 
 
 def select_backend_kind(
-    requested: AttentionBackendKind | None, device: torch.device, dtype: torch.dtype
+    requested: AttentionBackendKind | None,
+    device: torch.device,
+    dtype: torch.dtype,
+    head_dim: int | None = None,
 ) -> AttentionBackendKind:
     """``flash`` when importable on CUDA; on CPU in float32 the native kernel when it
-    builds; ``sdpa`` otherwise — unless one is requested."""
+    builds and takes ``head_dim``; ``sdpa`` otherwise — unless one is requested."""
     if requested is AttentionBackendKind.FLASH and not (
         device.type == "cuda" and flash_attn_available()
     ):
         raise ValueError("attention_backend 'flash' needs CUDA and the flash-attn package")
-    if requested is AttentionBackendKind.CPU and not native_cpu_available(device, dtype):
-        raise ValueError("attention_backend 'cpu' needs a CPU, float32 and a C compiler")
+    if requested is AttentionBackendKind.CPU and not native_cpu_available(device, dtype, head_dim):
+        limit = native_cpu_max_head_dim()
+        within = f", head_dim <= {limit}" if limit is not None else ""
+        raise ValueError(
+            f"attention_backend 'cpu' needs a CPU, float32, a C compiler{within}"
+            f" (got {device.type}, {str(dtype).removeprefix('torch.')}, head_dim {head_dim})"
+        )
     if requested is not None:
         return requested
     if device.type == "cuda" and flash_attn_available():
         return AttentionBackendKind.FLASH
-    if native_cpu_available(device, dtype):
+    if native_cpu_available(device, dtype, head_dim):
         return AttentionBackendKind.CPU
     return AttentionBackendKind.SDPA
 

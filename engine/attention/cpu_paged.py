@@ -141,8 +141,10 @@ class CpuPagedAttention(SdpaAttention):
             torch.get_num_threads(),
         )
         if status != 0:
+            why = "head_dim beyond the kernel's" if status == -2 else "out of memory"
             raise RuntimeError(
-                f"paged decode kernel failed (heads {num_heads}/{num_kv_heads}, dim {head_dim})"
+                f"paged decode kernel failed: {why} (heads {num_heads}/{num_kv_heads}, "
+                f"dim {head_dim})"
             )
         return out
 

@@ -48,6 +48,8 @@ def paged_decode_library() -> ctypes.CDLL | None:
         log.warning("paged-attention kernel unavailable, decode attention uses torch: %s", error)
         return None
     library.tandem_paged_decode_isa.restype = ctypes.c_char_p
+    library.tandem_paged_decode_max_head_dim.restype = ctypes.c_int64
+    library.tandem_paged_decode_max_head_dim.argtypes = []
     for name in ("tandem_paged_decode_f32", "tandem_paged_decode_i8", "tandem_paged_decode_fp8"):
         fn = getattr(library, name)
         fn.restype = ctypes.c_int

@@ -121,11 +121,14 @@ class NativeDecoder:
 
     @staticmethod
     def supports(model: nn.Module) -> bool:
-        """A Llama-family model in float32 on the CPU with plain linear layers, and the
-        native library built."""
+        """A Llama-family model in float32 on the CPU with plain linear layers and a
+        head_dim the attention kernel takes, and the native library built."""
         from tandem.engine.models.llama import LlamaForCausalLM
 
-        if not isinstance(model, LlamaForCausalLM) or paged_decode_library() is None:
+        library = paged_decode_library()
+        if not isinstance(model, LlamaForCausalLM) or library is None:
+            return False
+        if model.config.head_dim > library.tandem_paged_decode_max_head_dim():
             return False
         linears = [model.lm_head]
         for layer in model.model.layers:
@@ -187,4 +190,5 @@ _FAILURES = {
     -2: "a position outside the rotary tables",
     -3: "a token id outside the vocabulary",
     -4: "a position past the end of its block table",
+    -5: "a head_dim beyond the attention kernel's",
 }

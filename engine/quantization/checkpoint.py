@@ -41,8 +41,16 @@ PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "
 
 def stored_quantization(model_dir: str | Path) -> QuantizationConfig | None:
     """The ``quantization_config`` of a checkpoint, or ``None`` for a float one."""
-    entry = json.loads((Path(model_dir) / "config.json").read_text()).get("quantization_config")
-    return None if entry is None else QuantizationConfig.from_json(entry)
+    path = Path(model_dir) / "config.json"
+    entry = json.loads(path.read_text()).get("quantization_config")
+    if entry is None:
+        return None
+    if not isinstance(entry, dict):
+        raise ValueError(f"{path}: quantization_config must be an object, got {entry!r}")
+    try:
+        return QuantizationConfig.from_json(entry)
+    except ValueError as error:
+        raise ValueError(f"{path}: {error}") from None
 
 
 def _quantized_name(name: str, config: QuantizationConfig) -> bool:
@@ -61,6 +69,8 @@ def quantize_checkpoint(source: str | Path, dest: str | Path, config: Quantizati
     files = sorted(source.glob("*.safetensors"))
     if not files:
         raise ValueError(f"model directory {source} has no *.safetensors files")
+    if dest.exists() and dest.resolve() == source.resolve():
+        raise ValueError(f"the output directory is the source {source}: give another one")
     dest.mkdir(parents=True, exist_ok=True)
     for old in dest.glob("*.safetensors"):
         old.unlink()

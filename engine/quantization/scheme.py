@@ -57,14 +57,35 @@ class QuantizationConfig:
 
     @classmethod
     def from_json(cls, entry: dict[str, object]) -> QuantizationConfig:
+        """``ValueError`` naming the field for an entry ``to_json`` could not have written."""
         if entry.get("quant_method") != "tandem":
             raise ValueError(
                 f"unsupported quantization_config (quant_method {entry.get('quant_method')!r}); "
                 "only checkpoints written by `tandem quantize` load quantized"
             )
-        method = QuantMethod(str(entry["method"]))
-        group = int(entry.get("group_size", DEFAULT_GROUP_SIZE))  # type: ignore[arg-type]
-        return cls(method, group, bool(entry.get("lm_head", False)))
+        valid = [m.value for m in QuantMethod]
+        method, group = entry.get("method"), entry.get("group_size", DEFAULT_GROUP_SIZE)
+        lm_head = entry.get("lm_head", False)
+        if method not in valid:
+            raise ValueError(f"quantization_config.method must be one of {valid}, got {method!r}")
+        if not isinstance(group, int) or isinstance(group, bool):
+            raise ValueError(f"quantization_config.group_size must be an integer, got {group!r}")
+        if not isinstance(lm_head, bool):
+            raise ValueError(f"quantization_config.lm_head must be true or false, got {lm_head!r}")
+        return cls(QuantMethod(method), group, lm_head)
+
+    def matches(self, other: QuantizationConfig) -> bool:
+        """The same weights on disk: method, LM head, and (int4) group size."""
+        return (
+            self.method is other.method
+            and self.lm_head == other.lm_head
+            and (self.method is QuantMethod.INT8 or self.group_size == other.group_size)
+        )
+
+    def describe(self) -> str:
+        """``int8`` / ``int4 (group 64)``, with ``, LM head too`` when it is quantized."""
+        group = f" (group {self.group_size})" if self.method is QuantMethod.INT4 else ""
+        return f"{self.method.value}{group}{', LM head too' if self.lm_head else ''}"
 
 
 @dataclass(frozen=True)

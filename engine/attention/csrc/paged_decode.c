@@ -548,11 +548,15 @@ static void attend_run(const Call *c, int64_t lo, int64_t hi, int ask_ahead, flo
     }
 }
 
+/* The largest head_dim the kernels take: a row's vectors live in MAX_CHUNKS-long arrays. */
+int64_t tandem_paged_decode_max_head_dim(void) { return (int64_t)MAX_CHUNKS * VL; }
+
 static int paged_decode(int kind, const float *q, const void *k_cache, const void *v_cache,
                         const int64_t *block_table, const int64_t *seq_lens, float *out,
                         int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads,
                         int64_t head_dim, int64_t block_size, int64_t max_blocks,
                         int64_t max_seq_len, float scale, int64_t window, int num_threads) {
+    if (head_dim > tandem_paged_decode_max_head_dim()) return -2;
     const int64_t width = width_bytes(kind, head_dim);
     const Call c = {
         .q = q,
@@ -610,7 +614,8 @@ static int paged_decode(int kind, const float *q, const void *k_cache, const voi
     return failed ? -1 : 0;
 }
 
-/* Returns 0, or -1 when a work buffer could not be allocated. */
+/* Returns 0, -1 when a work buffer could not be allocated, or -2 for a head_dim beyond
+ * tandem_paged_decode_max_head_dim() (nothing written). */
 int tandem_paged_decode_f32(const float *q, const float *k_cache, const float *v_cache,
                             const int64_t *block_table, const int64_t *seq_lens, float *out,
                             int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads,
@@ -790,7 +795,8 @@ static void rotate(float *x, int64_t num_heads, int64_t head_dim, const float *c
 
 /* Returns 0; -1 when a work buffer could not be allocated; -2 for a position outside the
  * rotary tables, -3 for a token outside the vocabulary, -4 for a position past the end of
- * its block table (checked before anything is written). */
+ * its block table, -5 for a head_dim beyond tandem_paged_decode_max_head_dim() (checked
+ * before anything is written). */
 int tandem_llama_rows_f32(const TandemModel *m, const TandemLayer *layers, int64_t num_rows,
                           const int64_t *tokens, const int64_t *positions,
                           const int64_t *tables, int64_t max_blocks, const int64_t *row_table,
@@ -798,6 +804,7 @@ int tandem_llama_rows_f32(const TandemModel *m, const TandemLayer *layers, int64
     const int64_t d = m->hidden, hd = m->head_dim, heads = m->num_heads, kvh = m->num_kv_heads;
     const int64_t q_size = heads * hd, kv_size = kvh * hd, inter = m->intermediate;
     int64_t max_len = 1;
+    if (hd > tandem_paged_decode_max_head_dim()) return -5;
     for (int64_t r = 0; r < num_rows; r++) {
         if (positions[r] < 0 || positions[r] >= m->max_positions) return -2;
         if (tokens[r] < 0 || tokens[r] >= m->vocab) return -3;
