@@ -326,3 +326,38 @@ def test_a_draft_that_cannot_follow_the_target_is_refused(target, draft, tmp_pat
         (bad / "config.json").write_text(json.dumps(config))
         with pytest.raises(ValueError, match=message):
             LLM(target, dtype="float32", num_kv_blocks=256, draft_model=str(bad))
+
+
+def test_a_draft_beside_a_quantized_cache_keeps_the_float_cache_memory(
+    target, draft, prompts
+) -> None:
+    """The float draft cache gets the blocks a float target cache would have had in the
+    same memory, not the quantized cache's ~4x (that would be ~4x its bytes); with a pool
+    that small that it runs out, the draft proposes less and the tokens stay the same."""
+    memory = {"kv_cache_memory_gb": 0.01, "max_model_len": 256}
+    pools = {}
+    for kind in ("auto", "int8"):
+        with LLM(
+            target, dtype="float32", kv_cache_dtype=kind, **memory, draft_model=str(draft)
+        ) as llm:
+            proposer = llm.engine.speculator.proposers[SpecMethod.DRAFT]
+            pools[kind] = (llm.engine.num_kv_blocks, proposer.kv.pool.num_blocks)
+            draft_bytes = sum(c.numel() * c.element_size() for c in proposer.runner.kv_caches)
+            pools[kind] += (draft_bytes,)
+    assert pools["auto"][1] == pools["auto"][0]  # a float target: the same blocks
+    assert pools["int8"][0] > 3 * pools["auto"][0]
+    assert abs(pools["int8"][1] - pools["auto"][0]) <= 1  # floors of the same memory
+    block_bytes = pools["auto"][2] // pools["auto"][1]
+    assert abs(pools["int8"][2] - pools["auto"][2]) <= block_bytes
+
+    quantized = {"dtype": "float32", "kv_cache_dtype": "int8", "max_model_len": 256}
+    reference = LLM(target, num_kv_blocks=512, **quantized)
+    expected = [o.token_ids for o in reference.generate(prompts, GREEDY)]
+    # 64 target blocks, ~1/3 of them for the draft: it runs out and skips requests.
+    llm = LLM(target, num_kv_blocks=64, draft_model=str(draft), **quantized)
+    dim = llm.engine.runner.layout.head_dim
+    draft_blocks = llm.engine.speculator.proposers[SpecMethod.DRAFT].kv.pool.num_blocks
+    assert draft_blocks == max(64 * (dim + 4) // (4 * dim), 256 // 16)
+    assert [o.token_ids for o in llm.generate(prompts, GREEDY)] == expected
+    assert llm.engine.speculator.stats.num_verifications > 0
+    _assert_clean(llm)

@@ -6,6 +6,7 @@ from collections.abc import Collection
 
 from tandem.common.model_config import ModelConfig
 from tandem.common.sampling_params import SpecMethod
+from tandem.engine.attention.kv_quant import KVCacheDtype, cache_row
 from tandem.engine.config import EngineConfig, EngineRuntime, default_spec_method
 from tandem.engine.layers.linear import LinearBackend, select_linear_backend
 from tandem.engine.model_runner import KVCacheLayout, ModelRunner
@@ -33,7 +34,8 @@ def build_speculator(
     cost = {SpecMethod.NGRAM: 0.0}
     if config.draft_model is not None:
         draft = ModelConfig.from_dir(config.draft_model)
-        proposer = _draft_proposer(config, runtime, target, draft, eos_token_ids, num_blocks)
+        blocks = draft_cache_blocks(num_blocks, target, runtime)
+        proposer = _draft_proposer(config, runtime, target, draft, eos_token_ids, blocks)
         proposers[SpecMethod.DRAFT] = proposer
         cost[SpecMethod.DRAFT] = relative_step_cost(
             draft, target, runtime.device.type, native_draft=proposer.native is not None
@@ -45,6 +47,26 @@ def build_speculator(
         config.speculative_by_default,
     )
     return Speculator(speculation, proposers, cost)
+
+
+def draft_cache_blocks(target_blocks: int, target: ModelConfig, runtime: EngineRuntime) -> int:
+    """The draft model's KV pool in blocks: the target's count (room for the same tokens),
+    except beside a quantized target cache. The draft's cache stays float (its native
+    forward reads float32), and the ~4x blocks a quantized cache gets from its memory
+    would cost the draft ~4x its float bytes; it gets the blocks a float target cache
+    would have had in the same memory instead (at least one full-length sequence's). A
+    request the draft has no room for gets no proposals, not an error."""
+    if not runtime.kv_cache_dtype.quantized:
+        return target_blocks
+    quantized = cache_row(runtime.kv_cache_dtype, target.head_dim, runtime.dtype)
+    unquantized = cache_row(KVCacheDtype.AUTO, target.head_dim, runtime.dtype)
+    equivalent = (
+        target_blocks
+        * (quantized[0] * quantized[1].itemsize)
+        // (unquantized[0] * unquantized[1].itemsize)
+    )
+    per_sequence = -(-runtime.max_model_len // runtime.block_size)
+    return min(target_blocks, max(equivalent, per_sequence))
 
 
 LAYER_OVERHEAD_MACS = {"cpu": 1_500_000, "cuda": 50_000_000}
