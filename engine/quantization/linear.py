@@ -1,18 +1,19 @@
 """Quantized linear layers and ``quantize_model``, the one step that swaps them in.
 
 A ``QuantizedLinear`` holds a ``QuantizedWeight`` (``scheme``) and multiplies with the
-native kernels: up to ``MAX_KERNEL_ROWS`` rows (decodes, small batches, speculative
-verifications) in the fused dequantize-and-multiply kernel, which reads the weight once
-at 1 or 0.5 bytes per value. More rows (batched decodes, prefill chunks) are
-compute-bound: int8 rounds each row of activations to int8 (one scale per row; codes in
-``[-127, 127]``, or ``[-64, 64]`` with the AVX2 build, whose byte products saturate
-beyond: ``QuantKernels.act_max``) and multiplies integers, exactly, with
-``torch._int_mm`` or the native kernel (``IntGemm``, chosen once per model:
-``TANDEM_INT8_GEMM=native`` forces the native one). int4 keeps its native kernel (int8
-activations per group, integer dot products) at every row count with the AVX2 and
-AVX-512 builds, whose panel kernel takes 16 rows and more; the portable build's
-kernel only up to ``INT4_KERNEL_ROWS`` rows, beyond which the weight is dequantized to
-float32 in C for a float GEMM.
+native kernels. int8 rounds each row of activations to int8 at every row count (one
+scale per row; codes in ``[-127, 127]``, or ``[-64, 64]`` with the AVX2 build, whose byte
+products saturate beyond: ``QuantKernels.act_max``) and multiplies integers exactly, so
+a row's result is the same whatever else its step holds (a decode alone or batched, a
+speculative verification, a recomputation after preemption): the native kernel up to
+``MAX_KERNEL_ROWS`` rows, beyond either it or ``torch._int_mm`` (``IntGemm``, chosen once
+per model; ``TANDEM_INT8_GEMM=native`` forces the native one), both rescaled by the same
+C code. int4 keeps its native kernel (int8 activations per group, integer dot products)
+at every row count with the AVX2 and AVX-512 builds, whose panel kernel takes 16 rows
+and more (its per-group float sums are added in another order than the one-row loop's
+below 16 rows: a row's result can differ between the two in the last bits); the
+portable build's kernel only up to ``INT4_KERNEL_ROWS`` rows, beyond which the weight is
+dequantized to float32 in C for a float GEMM.
 
 Tensor parallelism: each rank quantizes its own slice. A column-parallel slice is whole
 rows, so it quantizes as the full weight would. A row-parallel slice is a range of input
@@ -20,8 +21,9 @@ columns: int8 takes each row's scale from the maximum over all ranks (one all-re
 load), int4 needs the slice to be whole groups (refused otherwise). A model quantized at
 tensor_parallel_size N therefore holds exactly the slices of the model quantized at 1.
 Likewise a row-parallel int8 layer rounds its slice of the activations with the whole
-row's scale (an all-reduce of the row maxima per call of more than ``MAX_KERNEL_ROWS``
-rows), so each rank's integers are a slice of the one-rank product's.
+row's scale (an all-reduce of the row maxima per call), so each rank's integers are a
+slice of the one-rank product's; the ranks then add their int32 products (instead of
+scaled floats) and scale the sum: bitwise the one-rank output.
 """
 
 from __future__ import annotations
@@ -55,8 +57,9 @@ from tandem.engine.quantization.scheme import (
 )
 
 MAX_KERNEL_ROWS = 16
-"""Rows up to which int8's fused float-activation kernel is used (the issue's M <= 16);
-beyond, int8 activations and integer products are cheaper."""
+"""Rows up to which int8's integer product always runs in the native kernel (at one
+row it takes 0.9x the time of torch's oneDNN one with AVX-512 VNNI; beyond, ``IntGemm``
+decides)."""
 INT4_KERNEL_ROWS = 128
 """Rows up to which the portable build's int4 kernel is used; beyond, dequantize + float
 GEMM (the kernel's cost grows with the rows, the dequantization's does not; the
@@ -89,9 +92,9 @@ class QuantizedLinear(nn.Module):
         (q/k/v, gate/up); ``col_span``: the input columns it holds (a row-parallel
         slice), ``None`` for all. Both say where a quantized checkpoint's tensors go.
         ``int_gemm``: what multiplies int8 by int8 beyond ``MAX_KERNEL_ROWS`` rows (int8
-        only). ``row_group``: for a row-parallel slice, the ranks holding the rest of
-        each input row (their row maxima are combined before rounding); ``None`` when
-        this layer sees whole rows."""
+        only; the native kernel up to there). ``row_group``: for a row-parallel slice,
+        the ranks holding the rest of each input row (their row maxima are combined
+        before rounding); ``None`` when this layer sees whole rows."""
         super().__init__()
         self.row_spans, self.col_span = row_spans, col_span
         self.int_gemm, self.row_group = int_gemm, row_group
@@ -99,7 +102,8 @@ class QuantizedLinear(nn.Module):
         self.out_features = weight.qweight.shape[0]
         self.method, self.group_size = config.method, config.group_size
         int8 = config.method is QuantMethod.INT8
-        self.fused_rows = MAX_KERNEL_ROWS if int8 else int4_fused_rows(kernels)
+        self.fused_rows = 0 if int8 else int4_fused_rows(kernels)
+        """Rows up to which the fused kernel runs (int4; int8 always rounds activations)."""
         self.kernels = kernels
         self.register_buffer("qweight", weight.qweight)
         self.register_buffer("scales", weight.scales)
@@ -125,21 +129,15 @@ class QuantizedLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)
-        if rows.shape[0] <= self.fused_rows:
-            y = self._fused(rows.contiguous())
-        elif self.method is QuantMethod.INT8:
+        if self.method is QuantMethod.INT8:
             y = self._int8_activations(rows.contiguous())
+        elif rows.shape[0] <= self.fused_rows:
+            y = self.kernels.int4_matmul(
+                rows.contiguous(), self.qweight, self.scales, self.zeros, self.group_size, self.bias
+            )
         else:
             return F.linear(x, self.dequantized(), self.bias)
         return y.view(*x.shape[:-1], self.out_features)
-
-    def _fused(self, rows: torch.Tensor) -> torch.Tensor:
-        """Up to ``fused_rows`` rows: one pass over the weight (module docstring)."""
-        if self.method is QuantMethod.INT8:
-            return self.kernels.int8_matmul(rows, self.qweight, self.scales, self.bias)
-        return self.kernels.int4_matmul(
-            rows, self.qweight, self.scales, self.zeros, self.group_size, self.bias
-        )
 
     def _int8_activations(self, rows: torch.Tensor) -> torch.Tensor:
         """``rows`` rounded to int8 per row, times the int8 weight, exactly in int32, then
@@ -150,14 +148,26 @@ class QuantizedLinear(nn.Module):
         if self.row_group is not None:
             amax = self.row_group.all_reduce_max(self.kernels.row_absmax(rows))
         xq, sx = self.kernels.quantize_rows(rows, amax)
-        if self.int_gemm is IntGemm.TORCH:
+        if self.int_gemm is IntGemm.TORCH and rows.shape[0] > MAX_KERNEL_ROWS:
             acc = torch._int_mm(xq, self.qweight.t())
-            return self.kernels.rescale(acc, sx, self.scales, self.bias)
-        if self._weight_sums is None:
-            self._weight_sums = self.kernels.weight_sums(self.qweight)
-        return self.kernels.int8_int8_linear(
-            xq, sx, self.qweight, self.scales, self.bias, self._weight_sums
-        )
+        else:
+            if self._weight_sums is None:
+                self._weight_sums = self.kernels.weight_sums(self.qweight)
+            if self.row_group is None:
+                return self.kernels.int8_int8_linear(
+                    xq, sx, self.qweight, self.scales, self.bias, self._weight_sums
+                )
+            acc = self.kernels.int8_int8_matmul(xq, self.qweight, self._weight_sums)
+        if self.row_group is not None:
+            self.row_group.all_reduce(acc)  # the one-rank integers, exactly
+        return self.kernels.rescale(acc, sx, self.scales, self.bias)
+
+    @property
+    def sums_over_ranks(self) -> bool:
+        """Whether the output is already the sum over a row-parallel layer's ranks: int8
+        adds the ranks' integer products before scaling, so N ranks give bitwise the
+        one-rank result (a float all-reduce of scaled partial sums would not)."""
+        return self.row_group is not None and self.method is QuantMethod.INT8
 
     def load_part(self, leaf: str, tensor: CheckpointSlice, shard: int | None) -> None:
         """Fill buffer ``leaf`` (qweight, scales, zeros, bias) from stacked checkpoint
@@ -194,15 +204,17 @@ class QuantizedLinear(nn.Module):
 
 
 class AllReducedLinear(nn.Module):
-    """A row-parallel product followed by the sum over the ranks."""
+    """A row-parallel product followed by the sum over the ranks (which an int8 product
+    takes itself, over its integers: ``QuantizedLinear.sums_over_ranks``)."""
 
-    def __init__(self, product: nn.Module, group: TensorParallelGroup) -> None:
+    def __init__(self, product: QuantizedLinear, group: TensorParallelGroup) -> None:
         super().__init__()
         self.product = product
         self.group = group
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.group.all_reduce(self.product(x))
+        y = self.product(x)
+        return y if self.product.sums_over_ranks else self.group.all_reduce(y)
 
 
 class QuantizedGatedMLP(nn.Module):
