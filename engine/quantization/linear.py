@@ -57,9 +57,9 @@ from tandem.engine.quantization.scheme import (
 )
 
 MAX_KERNEL_ROWS = 16
-"""Rows up to which int8's integer product always runs in the native kernel (at one
-row it takes 0.9x the time of torch's oneDNN one with AVX-512 VNNI; beyond, ``IntGemm``
-decides)."""
+"""Rows up to which int8's integer product always runs in the native kernel (a batch-1
+step of the medium model with AVX-512 VNNI: 0.34x float32's with it, 0.47x through
+torch's oneDNN product; beyond, ``IntGemm`` decides)."""
 INT4_KERNEL_ROWS = 128
 """Rows up to which the portable build's int4 kernel is used; beyond, dequantize + float
 GEMM (the kernel's cost grows with the rows, the dequantization's does not; the
