@@ -118,12 +118,8 @@ def kernels(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch):
 
 @pytest.mark.parametrize("m", [1, 3, 16, 17])
 @pytest.mark.parametrize(("n", "k"), SHAPES)
-def test_kernels_equal_dequantize_then_matmul(kernels, m: int, n: int, k: int) -> None:
-    w, x, bias = _weight(n, k, seed=m), torch.randn(m, k), torch.randn(n)
-    q8 = quantize_int8(w)
-    expected = x @ dequantize(q8, QuantMethod.INT8, 0).T + bias
-    got = kernels.int8_matmul(x, q8.qweight, q8.scales, bias)
-    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
+def test_int4_kernels_equal_dequantize_then_matmul(kernels, m: int, n: int, k: int) -> None:
+    w, x = _weight(n, k, seed=m), torch.randn(m, k)
     for group in (32, 64):
         q4 = quantize_int4(w, group)
         reference = dequantize(q4, QuantMethod.INT4, group)
@@ -139,9 +135,8 @@ def test_kernels_equal_dequantize_then_matmul(kernels, m: int, n: int, k: int) -
 def test_kernels_cover_their_blocking_and_a_zero_row(kernels, k: int, group: int) -> None:
     """int4 takes blocks of 32 inputs in pairs (two pairs at a time, then a leftover pair,
     then a lone block: k = 32 ... 300 reach each) and a pair may span two groups of 32;
-    int8 takes four vectors at a time, then single vectors, then a scalar tail; rows go
-    four at a time,
-    then one by one; an all-zero row has no activation scale. From int4_panel_rows rows
+    int8 (activations rounded) takes whole vectors, then a tail; rows go in register
+    tiles, then one by one; an all-zero row has no activation scale. From int4_panel_rows rows
     on (19: whole row tiles of 3 or 4, then one or three left), int4 takes the panel
     kernel: 40 outputs are a whole panel of 16 / 32 and a partial one."""
     w = _weight(40, k, seed=k + group)
@@ -154,12 +149,11 @@ def test_kernels_cover_their_blocking_and_a_zero_row(kernels, k: int, group: int
         expected = _int8_groups(x, group) @ reference.T
         torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
         assert (got[2] == 0).all()
-    w, x = w[:24], torch.randn(5, k)
+    w, x = w[:24, : k - group // 32], torch.randn(5, k - group // 32)  # partial vectors
     x[2] = 0.0
-    q8 = quantize_int8(w[:, : k - group // 32])  # k - 1, - 2, - 4: partial vectors
-    got = kernels.int8_matmul(x[:, : k - group // 32].contiguous(), q8.qweight, q8.scales, None)
-    expected = x[:, : k - group // 32] @ dequantize(q8, QuantMethod.INT8, 0).T
-    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
+    got = _int8_layer(kernels, w, None, IntGemm.NATIVE)(x)
+    expected = _w8a8_reference(x, quantize_int8(w), None, kernels.act_max)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
     assert (got[2] == 0).all()
 
 
@@ -260,19 +254,19 @@ def _int_gemms() -> list[IntGemm]:
     return [IntGemm.NATIVE, *([IntGemm.TORCH] if torch_int_mm_is_exact() else [])]
 
 
-@pytest.mark.parametrize("m", [17, 64, 300])
+@pytest.mark.parametrize("m", [1, 3, 16, 17, 64, 300])
 @pytest.mark.parametrize(("n", "k"), [(37, 100), (33, 130), (129, 300), (8, 31)])
 def test_int8_activation_path_equals_an_integer_reference(kernels, m: int, n: int, k: int) -> None:
     """Odd shapes (k not a multiple of any vector, n odd), an all-zero row (scale 0: the
-    output is the bias), both backends."""
+    output is the bias), both backends, from one row (the native kernel up to 16) on."""
     w, x, bias = _weight(n, k, seed=m + n), torch.randn(m, k) * 3, torch.randn(n)
-    x[5] = 0.0
-    x[6, 0] = -50.0  # a row whose extreme code is -127
+    x[0, 0] = -50.0  # a row whose extreme code is -127
+    x[-1] = 0.0  # (one row: that row)
     expected = _w8a8_reference(x, quantize_int8(w), bias, kernels.act_max)
     for int_gemm in _int_gemms():
         got = _int8_layer(kernels, w, bias, int_gemm)(x)
         torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
-        assert torch.equal(got[5], bias)
+        assert torch.equal(got[-1], bias)
 
 
 def test_native_and_torch_integer_products_are_identical(kernels) -> None:

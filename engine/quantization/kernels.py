@@ -106,13 +106,6 @@ class QuantKernels:
 
     def __init__(self, library: ctypes.CDLL, isa: Isa) -> None:
         self.isa = isa
-        self._int8 = library.tandem_int8_matmul
-        self._int8.restype = ctypes.c_int
-        self._int8.argtypes = (
-            [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64]
-            + [ctypes.c_void_p] * 4
-            + [ctypes.c_int64, ctypes.c_int]
-        )
         self._int4 = library.tandem_int4_matmul
         self._int4.restype = ctypes.c_int
         self._int4.argtypes = (
@@ -176,26 +169,6 @@ class QuantKernels:
         built = name().decode()
         if built != isa.value:
             raise KernelBuildError(f"the {isa.value} build reports {built!r}")
-
-    def int8_matmul(
-        self, x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None
-    ) -> torch.Tensor:
-        """``x [m, k] @ (scales[:, None] * q).T + bias``; ``q`` int8 ``[n, k]``."""
-        m, k = x.shape
-        n = q.shape[0]
-        y = torch.empty(m, n, dtype=torch.float32)
-        self._int8(
-            x.data_ptr(),
-            m,
-            k,
-            q.data_ptr(),
-            scales.data_ptr(),
-            _ptr(bias),
-            y.data_ptr(),
-            n,
-            torch.get_num_threads(),
-        )
-        return y
 
     def int4_matmul(
         self,

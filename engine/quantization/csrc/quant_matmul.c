@@ -9,14 +9,13 @@
  * block holds input b in its low nibble and input b + 16 in its high nibble (the last
  * block is zero-padded).
  *
- * int8 multiplies float activations (each weight widened to float, FMAs). int4 rounds
- * each row of activations to int8 first and multiplies integers (see tandem_int4_matmul):
- * the float path spent more on unpacking and converting nibbles than int8 did on its
- * bytes, so halving the weight bytes bought nothing; from 16 rows on (x86 builds) int4
- * puts the output channels in the vector lanes instead (int4_panel_matmul, at the end).
- * Beyond 16 rows int8 weights multiply int8 activations too (tandem_int8_int8_matmul):
- * there compute, not weight traffic, is the cost, and integer products are cheaper than
- * float ones.
+ * Both round each row of activations to int8 first and multiply integers. int4
+ * (tandem_int4_matmul): a float path spent more on unpacking and converting nibbles than
+ * it saved in weight bytes; from 16 rows on (x86 builds) int4 puts the output channels in
+ * the vector lanes instead (int4_panel_matmul, at the end). int8
+ * (tandem_int8_int8_matmul), at every row count: integer products are cheaper than float
+ * ones, and a row's exact integer sums do not depend on the rows around it. (An int8
+ * kernel with float activations served up to 16 rows until 68125f7.)
  *
  * Compiled once per instruction set (see kernels.py): with -mavx512f.. -mavx512vnni the
  * vector type is 16 floats, with -mavx2 8, otherwise GCC's generic vector extension of 4
@@ -40,9 +39,6 @@ static inline vf vset1(float a) { return _mm512_set1_ps(a); }
 static inline vf vfma(vf a, vf b, vf c) { return _mm512_fmadd_ps(a, b, c); }
 static inline vf vadd(vf a, vf b) { return _mm512_add_ps(a, b); }
 static inline float vsum(vf a) { return _mm512_reduce_add_ps(a); }
-static inline vf vint8(const int8_t *p) {
-    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
-}
 #elif defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 #define VL 8
@@ -59,25 +55,16 @@ static inline float vsum(vf a) {
     s = _mm_add_ss(s, _mm_movehdup_ps(s));
     return _mm_cvtss_f32(s);
 }
-static inline vf vint8(const int8_t *p) {
-    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
-}
 #else
 #define VL 4
 #define ISA_NAME "portable"
 typedef float vf __attribute__((vector_size(16)));
-typedef int8_t vi8 __attribute__((vector_size(4)));
 static inline vf vzero(void) { return (vf){0, 0, 0, 0}; }
 static inline vf vload(const float *p) { vf v; memcpy(&v, p, sizeof v); return v; }
 static inline vf vset1(float a) { return (vf){a, a, a, a}; }
 static inline vf vfma(vf a, vf b, vf c) { return a * b + c; }
 static inline vf vadd(vf a, vf b) { return a + b; }
 static inline float vsum(vf a) { return (a[0] + a[1]) + (a[2] + a[3]); }
-static inline vf vint8(const int8_t *p) {
-    vi8 v;
-    memcpy(&v, p, sizeof v);
-    return __builtin_convertvector(v, vf);
-}
 #endif
 
 #define BLOCK 32      /* int4 inputs per packed block */
@@ -92,59 +79,6 @@ const char *tandem_quant_isa(void) { return ISA_NAME; }
 static inline int nibble(const uint8_t *row, int64_t i) {
     uint8_t byte = row[(i / BLOCK) * (BLOCK / 2) + i % (BLOCK / 2)];
     return (i % BLOCK) < BLOCK / 2 ? byte & 15 : byte >> 4;
-}
-
-/* out[r] = sum_i w[i] * x[r * ldx + i] for r < rows (rows a compile-time constant after
- * inlining). Four accumulators per row, taking vectors in turn (four FMA chains in flight:
- * with one row, two chains left the loop waiting on FMA latency), then the remaining
- * whole vectors into the first ones, then the scalar tail: the same order for any
- * `rows`, so a row's result does not depend on its batch. */
-static inline __attribute__((always_inline)) void int8_dots(const int8_t *w, const float *x,
-                                                             int64_t ldx, int64_t k, int rows,
-                                                             float *out) {
-    vf a0[ROWS], a1[ROWS], a2[ROWS], a3[ROWS];
-    for (int r = 0; r < rows; r++) a0[r] = a1[r] = a2[r] = a3[r] = vzero();
-    int64_t i = 0;
-    for (; i + 4 * VL <= k; i += 4 * VL) {
-        vf w0 = vint8(w + i), w1 = vint8(w + i + VL);
-        vf w2 = vint8(w + i + 2 * VL), w3 = vint8(w + i + 3 * VL);
-        for (int r = 0; r < rows; r++) {
-            const float *xr = x + r * ldx + i;
-            a0[r] = vfma(w0, vload(xr), a0[r]);
-            a1[r] = vfma(w1, vload(xr + VL), a1[r]);
-            a2[r] = vfma(w2, vload(xr + 2 * VL), a2[r]);
-            a3[r] = vfma(w3, vload(xr + 3 * VL), a3[r]);
-        }
-    }
-    for (; i + VL <= k; i += VL) {
-        vf w0 = vint8(w + i);
-        for (int r = 0; r < rows; r++) a0[r] = vfma(w0, vload(x + r * ldx + i), a0[r]);
-    }
-    for (int r = 0; r < rows; r++) {
-        float acc = vsum(vadd(vadd(a0[r], a1[r]), vadd(a2[r], a3[r])));
-        for (int64_t t = i; t < k; t++) acc += (float)w[t] * x[r * ldx + t];
-        out[r] = acc;
-    }
-}
-
-int tandem_int8_matmul(const float *x, int64_t m, int64_t k, const int8_t *q,
-                       const float *scales, const float *bias, float *y, int64_t n,
-                       int num_threads) {
-#pragma omp parallel for num_threads(num_threads) if (m * n * k >= PARALLEL_MACS) schedule(static)
-    for (int64_t j = 0; j < n; j++) {
-        const int8_t *w = q + j * k;
-        float b = bias ? bias[j] : 0.0f, dots[ROWS];
-        int64_t r = 0;
-        for (; r + ROWS <= m; r += ROWS) {
-            int8_dots(w, x + r * k, k, k, ROWS, dots);
-            for (int t = 0; t < ROWS; t++) y[(r + t) * n + j] = dots[t] * scales[j] + b;
-        }
-        for (; r < m; r++) {
-            int8_dots(w, x + r * k, k, k, 1, dots);
-            y[r * n + j] = dots[0] * scales[j] + b;
-        }
-    }
-    return 0;
 }
 
 /* int4 products take int8 activations. Each group of each row of x is quantized
