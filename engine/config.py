@@ -148,6 +148,8 @@ class EngineConfig:
             )
         if self.quantize_lm_head and self.quantization is None:
             raise ValueError("quantize_lm_head needs quantization (int8 or int4)")
+        if self.quantize_lm_head and self.tensor_parallel_size > 1:
+            raise ValueError("quantize_lm_head is not supported with tensor_parallel_size > 1")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(
                 f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}"

@@ -493,6 +493,10 @@ def test_tensor_parallel_int8_equals_one_rank(tiny: Path, tmp_path: Path) -> Non
         ({"quantization": "int3"}, r"quantization must be one of \['int8', 'int4'\]"),
         ({"quantization": "int4", "quantization_group_size": 48}, "quantization_group_size"),
         ({"quantize_lm_head": True}, "quantize_lm_head needs quantization"),
+        (
+            {"quantization": "int8", "quantize_lm_head": True, "tensor_parallel_size": 2},
+            "quantize_lm_head is not supported with tensor_parallel_size > 1",
+        ),
     ],
 )
 def test_bad_settings_are_refused_by_name(settings: dict, message: str) -> None:
@@ -538,6 +542,19 @@ def test_quantize_refuses_its_own_source_and_a_corrupt_config(tiny: Path, tmp_pa
     del broken["quantization_config"]["method"]
     (out / "config.json").write_text(json.dumps(broken))
     with pytest.raises(ValueError, match=r"method must be one of .*got None"):
+        LLM(str(out))
+
+
+def test_int4_zero_points_beyond_four_bits_are_refused(tiny: Path, tmp_path: Path) -> None:
+    from safetensors.torch import load_file, save_file
+
+    out = tmp_path / "q4"
+    quantize_checkpoint(tiny, out, QuantizationConfig(QuantMethod.INT4, 32))
+    tensors = load_file(str(out / "model.safetensors"))
+    name = next(n for n in tensors if n.endswith("o_proj.zeros"))
+    tensors[name][0, 0] = 16
+    save_file(tensors, str(out / "model.safetensors"))
+    with pytest.raises(ValueError, match=r"o_proj.zeros holds 16: int4 zero points are 0..15"):
         LLM(str(out))
 
 

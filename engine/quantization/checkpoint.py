@@ -180,3 +180,8 @@ def _check_complete(path: str, layer: QuantizedLinear, seen: set[tuple[str, int]
     ]
     if missing:
         raise ValueError(f"quantized checkpoint lacks {', '.join(missing)} of {path}")
+    if layer.zeros is not None and layer.zeros.numel() and int(layer.zeros.max()) > 15:
+        raise ValueError(
+            f"quantized checkpoint's {path}.zeros holds {int(layer.zeros.max())}: int4 zero "
+            "points are 0..15"
+        )
