@@ -50,7 +50,10 @@ async def run(options: WorkerOptions, stop: asyncio.Event | None = None) -> None
     async_engine.on_kv_pull = service.pull
     async_engine.start()
     capacity = WorkerCapacity(
-        engine.num_kv_blocks, engine.runtime.block_size, engine.config.max_num_seqs
+        engine.num_kv_blocks,
+        engine.runtime.block_size,
+        engine.config.max_num_seqs,
+        engine.runtime.max_model_len,
     )
 
     def make_info(address: str) -> WorkerInfo:

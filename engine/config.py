@@ -3,7 +3,8 @@ what the engine derived from it at start-up (``EngineRuntime``)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import logging
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -13,6 +14,7 @@ from tandem.engine.attention.base import AttentionBackendKind, select_backend_ki
 from tandem.engine.attention.flash import FLASH_BLOCK_SIZE_MULTIPLE
 from tandem.engine.attention.kv_quant import KVCacheDtype, parse_kv_cache_dtype
 from tandem.engine.layers.linear import LinearBackend, select_linear_backend
+from tandem.engine.layers.moe import ExpertSplit
 from tandem.engine.quantization.checkpoint import stored_quantization
 from tandem.engine.quantization.scheme import (
     DEFAULT_GROUP_SIZE,
@@ -20,6 +22,8 @@ from tandem.engine.quantization.scheme import (
     QuantizationConfig,
     QuantMethod,
 )
+
+log = logging.getLogger(__name__)
 
 DEFAULT_BLOCK_SIZE = 16
 DEFAULT_CPU_KV_CACHE_GB = 4.0
@@ -50,7 +54,9 @@ class EngineConfig:
     """Token budget per step; ``None``: 1,024 on CPU (measured best for a 110M model on 2
     cores: intermediates stay in cache), 8,192 on GPU."""
     max_model_len: int | None = None
-    """Longest prompt + output; ``None``: the checkpoint's ``max_position_embeddings``."""
+    """Longest prompt + output; ``None``: the checkpoint's ``max_position_embeddings``, or
+    as much as the KV pool holds when that is less and the pool is sized from memory
+    (``num_kv_blocks`` unset; see ``fit_kv_pool``)."""
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
     attention_backend: str | None = None
@@ -89,6 +95,14 @@ class EngineConfig:
     (symmetric absmax) or ``fp8`` (e4m3), both with a float32 scale per token and KV head
     (``engine/attention/kv_quant.py``); 1-byte values fit ~4x the float32 blocks in the
     same memory. Not with the flash backend."""
+    enable_expert_parallel: bool = False
+    """Mixture-of-experts models under tensor parallelism: each rank holds
+    ``num_experts / tensor_parallel_size`` whole experts instead of every expert's
+    slice of the intermediate dims (``engine/layers/moe.py``)."""
+
+    @property
+    def expert_split(self) -> ExpertSplit:
+        return ExpertSplit.EXPERT if self.enable_expert_parallel else ExpertSplit.TENSOR
 
     def __post_init__(self) -> None:
         if self.dtype != "auto" and self.dtype not in _DTYPES:
@@ -204,7 +218,9 @@ def resolve_runtime(config: EngineConfig, model: ModelConfig) -> EngineRuntime:
             )
     requested = AttentionBackendKind(config.attention_backend) if config.attention_backend else None
     kv_cache_dtype = parse_kv_cache_dtype(config.kv_cache_dtype)
-    backend = select_backend_kind(requested, device, dtype, model.head_dim)
+    backend = select_backend_kind(
+        requested, device, dtype, model.head_dim, model.attn_logit_softcap
+    )
     if kv_cache_dtype.quantized and backend is AttentionBackendKind.FLASH:
         backend = AttentionBackendKind.SDPA  # flash was only the default (a request is refused)
     block_size = config.block_size or (
@@ -220,11 +236,6 @@ def resolve_runtime(config: EngineConfig, model: ModelConfig) -> EngineRuntime:
         torch.set_num_threads(config.num_threads)
     requested_linear = LinearBackend(config.linear_backend) if config.linear_backend else None
     linear = select_linear_backend(requested_linear, device, dtype, model.hidden_size)
-    budget = config.max_num_batched_tokens
-    if budget is None:
-        budget = DEFAULT_CPU_STEP_TOKENS if device.type == "cpu" else DEFAULT_GPU_STEP_TOKENS
-        if not config.enable_chunked_prefill:
-            budget = max(budget, max_model_len)  # a whole prompt must fit one step
     return EngineRuntime(
         device,
         dtype,
@@ -232,10 +243,19 @@ def resolve_runtime(config: EngineConfig, model: ModelConfig) -> EngineRuntime:
         linear,
         block_size,
         max_model_len,
-        budget,
+        _step_budget(config, device, max_model_len),
         quantization,
         kv_cache_dtype,
     )
+
+
+def _step_budget(config: EngineConfig, device: torch.device, max_model_len: int) -> int:
+    if config.max_num_batched_tokens is not None:
+        return config.max_num_batched_tokens
+    budget = DEFAULT_CPU_STEP_TOKENS if device.type == "cpu" else DEFAULT_GPU_STEP_TOKENS
+    if not config.enable_chunked_prefill:
+        budget = max(budget, max_model_len)  # a whole prompt must fit one step
+    return budget
 
 
 def _quantization(
@@ -264,14 +284,24 @@ def _device(name: str) -> torch.device:
     return device
 
 
-def num_kv_blocks(config: EngineConfig, runtime: EngineRuntime, bytes_per_block: int) -> int:
-    """How many blocks the KV pool gets: ``num_kv_blocks``, or as many as
-    ``kv_cache_memory_gb`` holds (a quantized cache's smaller blocks give more of them;
-    blocks beyond what the running sequences hold keep prefixes cached). Without either,
-    the default budget (CPU: ``DEFAULT_CPU_KV_CACHE_GB``; GPU: free memory times
-    ``gpu_memory_utilization``) is capped at what ``max_num_seqs`` full-length sequences
-    need, so a small model does not take the whole budget. Never fewer blocks than one
-    full-length sequence needs."""
+def fit_kv_pool(
+    config: EngineConfig, runtime: EngineRuntime, bytes_per_block: int
+) -> tuple[int, EngineRuntime]:
+    """How many blocks the KV pool gets, and the runtime to run with.
+
+    Blocks: ``num_kv_blocks``, or as many as ``kv_cache_memory_gb`` holds (a quantized
+    cache's smaller blocks give more of them; blocks beyond what the running sequences
+    hold keep prefixes cached). Without either, the default budget (CPU:
+    ``DEFAULT_CPU_KV_CACHE_GB``; GPU: free memory times ``gpu_memory_utilization``) is
+    capped at what ``max_num_seqs`` full-length sequences need, so a small model does not
+    take the whole budget.
+
+    Runtime: ``runtime``, whose ``max_model_len`` the pool must hold once; except that
+    when ``max_model_len`` and ``num_kv_blocks`` are both unset and the pool sized from
+    memory holds less than the model's whole context (Llama-3.1's 131,072 tokens in a
+    4 GiB CPU pool), ``max_model_len`` becomes the most the pool holds, in whole blocks,
+    with one log line (vLLM's auto-fit). A ``max_model_len`` the user set that does not
+    fit stays an error naming both numbers."""
     if config.num_kv_blocks is not None:
         blocks = config.num_kv_blocks
     else:
@@ -280,13 +310,27 @@ def num_kv_blocks(config: EngineConfig, runtime: EngineRuntime, bytes_per_block:
             per_seq = -(-runtime.max_model_len // runtime.block_size)
             blocks = min(blocks, config.max_num_seqs * per_seq)
     needed = -(-runtime.max_model_len // runtime.block_size)
+    fits = blocks * runtime.block_size
+    may_fit = config.max_model_len is None and config.num_kv_blocks is None
+    if blocks < needed and may_fit and fits >= 2:
+        log.info(
+            "Auto-fit max_model_len: reduced from %d to %d to fit the KV cache (%d blocks of "
+            "%d tokens, %.2f GiB); set max_model_len or kv_cache_memory_gb to choose",
+            runtime.max_model_len,
+            fits,
+            blocks,
+            runtime.block_size,
+            blocks * bytes_per_block / 2**30,
+        )
+        budget = _step_budget(config, runtime.device, fits)
+        return blocks, replace(runtime, max_model_len=fits, max_num_batched_tokens=budget)
     if blocks < needed:
         raise ValueError(
             f"the KV cache holds {blocks} blocks of {runtime.block_size} tokens, fewer than one "
             f"sequence of max_model_len={runtime.max_model_len} needs ({needed}); raise "
             "num_kv_blocks / kv_cache_memory_gb or lower max_model_len"
         )
-    return blocks
+    return blocks, runtime
 
 
 def _kv_budget_bytes(config: EngineConfig, runtime: EngineRuntime) -> float:

@@ -4,6 +4,10 @@ from tandem.engine import LLM, SamplingParams
 llm = LLM("path/to/checkpoint", dtype="float32")
 outputs = llm.generate(["Hello", [1, 2, 3]], SamplingParams(temperature=0, max_tokens=32))
 print(outputs[0].text, outputs[0].token_ids, outputs[0].finish_reason)
+
+``generate`` without sampling parameters uses ``get_default_sampling_params()``: the
+checkpoint's ``generation_config.json`` sampling values, as vLLM's ``LLM`` does
+(``tandem.common.generation_config``); ``LLM(..., generation_config="vllm")`` ignores them.
 """
 
 from __future__ import annotations
@@ -11,6 +15,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from tandem.common.generation_config import AUTO, load_sampling_defaults
 from tandem.common.sampling_params import SamplingParams
 from tandem.engine.config import EngineConfig
 from tandem.engine.llm_engine import LLMEngine
@@ -21,8 +26,13 @@ Prompt = str | list[int]
 
 
 class LLM:
-    def __init__(self, model: str, **config: Any) -> None:
-        """``config``: any ``EngineConfig`` field (dtype, block_size, max_num_seqs, ...)."""
+    def __init__(self, model: str, generation_config: str = AUTO, **config: Any) -> None:
+        """``generation_config``: where ``get_default_sampling_params`` comes from:
+        ``auto`` (the checkpoint's ``generation_config.json``), ``vllm`` (Tandem's own
+        defaults) or a directory holding a ``generation_config.json``.
+        ``config``: any ``EngineConfig`` field (dtype, block_size, max_num_seqs, ...)."""
+        defaults = load_sampling_defaults(generation_config, model)
+        self._default_params = defaults.sampling_params()
         self.engine = LLMEngine(EngineConfig(model=str(model), **config))
 
     def close(self) -> None:
@@ -39,6 +49,12 @@ class LLM:
     def get_tokenizer(self):
         return self.engine.tokenizer
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What ``generate`` uses when given no sampling parameters: ``SamplingParams``'
+        defaults, overridden by the model's (see ``__init__``). Frozen: derive others
+        with ``dataclasses.replace``."""
+        return self._default_params
+
     def generate(
         self,
         prompts: Prompt | Sequence[Prompt],
@@ -46,8 +62,12 @@ class LLM:
         priority: Sequence[int] | None = None,
     ) -> list[RequestOutput]:
         """Run every prompt to completion; outputs come back in prompt order. Either all
-        prompts are accepted or none is (a ``ValueError`` names the first bad one)."""
+        prompts are accepted or none is (a ``ValueError`` names the first bad one).
+        ``sampling_params``: one for all prompts, one per prompt, or ``None``:
+        ``get_default_sampling_params()``."""
         prompt_list = _as_prompt_list(prompts)
+        if sampling_params is None:
+            sampling_params = self._default_params
         params = _as_params_list(sampling_params, len(prompt_list))
         priorities = list(priority) if priority is not None else [0] * len(prompt_list)
         outputs: dict[str, RequestOutput] = {}
@@ -99,10 +119,8 @@ def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
 
 
 def _as_params_list(
-    params: SamplingParams | Sequence[SamplingParams] | None, n: int
+    params: SamplingParams | Sequence[SamplingParams], n: int
 ) -> list[SamplingParams]:
-    if params is None:
-        return [SamplingParams()] * n
     if isinstance(params, SamplingParams):
         return [params] * n
     items = list(params)

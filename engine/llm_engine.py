@@ -24,7 +24,7 @@ from tandem.common.sampling_params import SamplingParams
 from tandem.common.text_stream import TextStream
 from tandem.common.tokenizer import Tokenizer
 from tandem.engine.block_pool import BlockPool
-from tandem.engine.config import EngineConfig, EngineRuntime, num_kv_blocks, resolve_runtime
+from tandem.engine.config import EngineConfig, EngineRuntime, fit_kv_pool, resolve_runtime
 from tandem.engine.kv_cache_manager import KVCacheManager
 from tandem.engine.model_runner import KVCacheLayout, ModelRunner
 from tandem.engine.outputs import EngineLoad, KVUsage, RequestDelta
@@ -54,14 +54,15 @@ KVEventCallback = Callable[[list[KVCacheEvent]], None]
 def check_config(config: EngineConfig) -> int:
     """What an engine checks at start-up before it loads weights: the checkpoint's
     config, the runtime the settings resolve to, and that the KV pool holds at least one
-    full-length sequence. Returns the pool's size in blocks (on GPU an estimate: the
-    engine sizes it from the memory free after loading). Raises ``ValueError`` naming
-    the setting at fault; for launchers that validate before starting anything."""
+    full-length sequence (``fit_kv_pool``). Returns the pool's size in blocks (on GPU an
+    estimate: the engine sizes it from the memory free after loading). Raises
+    ``ValueError`` naming the setting at fault; for launchers that validate before
+    starting anything."""
     model_config = ModelConfig.from_dir(config.model)
-    check_tensor_parallel(model_config, config.tensor_parallel_size)
+    check_tensor_parallel(model_config, config.tensor_parallel_size, config.expert_split)
     runtime = resolve_runtime(config, model_config)
     layout = kv_layout(model_config, runtime, config.tensor_parallel_size)
-    return num_kv_blocks(config, runtime, layout.bytes_per_block)
+    return fit_kv_pool(config, runtime, layout.bytes_per_block)[0]
 
 
 def kv_layout(mc: ModelConfig, rt: EngineRuntime, tp_size: int = 1) -> KVCacheLayout:
@@ -101,6 +102,7 @@ def _model_runner(
         config.seed,
         group,
         rt.quantization,
+        config.expert_split,
     )
 
 
@@ -127,7 +129,7 @@ class LLMEngine:
         self._on_kv_events = on_kv_events
         mc, rt = self.model_config, self.runtime
         size = config.tensor_parallel_size
-        check_tensor_parallel(mc, size)
+        check_tensor_parallel(mc, size, config.expert_split)
         layout = kv_layout(mc, rt, size)
         self.broken: str | None = None
         """Why the engine cannot go on (a lost rank), or ``None``."""
@@ -141,7 +143,8 @@ class LLMEngine:
         self.runner = _model_runner(config, mc, rt, self.eos_token_ids, group)
         if self.ranks is not None:
             self._rank_watch = RankWatch(self.ranks, self._rank_lost)
-        self.num_kv_blocks = num_kv_blocks(config, rt, layout.bytes_per_block)
+        self.num_kv_blocks, rt = fit_kv_pool(config, rt, layout.bytes_per_block)
+        self.runtime = rt  # max_model_len may be fitted to the pool
         log.info(
             "KV cache: %d blocks of %d tokens, %s, %d bytes per block",
             self.num_kv_blocks,

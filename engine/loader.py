@@ -15,10 +15,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import safe_open
 from torch import nn
 
+from tandem.common.checkpoint_files import open_safetensors, safetensors_files
 from tandem.common.model_config import ModelConfig
+from tandem.engine.layers.moe import ExpertSplit
+from tandem.engine.layers.rotary import RotaryEmbedding
 from tandem.engine.models import model_class
 from tandem.engine.parallel.group import TensorParallelGroup
 from tandem.engine.parallel.shard import shard_model
@@ -48,11 +50,10 @@ class CheckpointTensor:
 
 
 def iter_checkpoint_tensors(model_dir: str | Path) -> Iterator[tuple[str, CheckpointTensor]]:
-    files = sorted(Path(model_dir).glob("*.safetensors"))
-    if not files:
-        raise ValueError(f"model directory {model_dir!s} has no *.safetensors files")
-    for path in files:
-        with safe_open(str(path), framework="pt", device="cpu") as f:
+    """Every tensor of the checkpoint's weight files (``safetensors_files``: the shards
+    its index names, when it has one)."""
+    for path in safetensors_files(model_dir):
+        with open_safetensors(path) as f:
             for name in f.keys():  # noqa: SIM118 - safe_open is not a mapping
                 yield name, CheckpointTensor(f.get_slice(name))
 
@@ -64,6 +65,7 @@ def load_model(
     device: torch.device,
     tp: TensorParallelGroup | None = None,
     quantization: QuantizationConfig | None = None,
+    expert_split: ExpertSplit = ExpertSplit.TENSOR,
 ) -> nn.Module:
     """``tp``: this rank's group when tensor-parallel; the model is then its slice.
     ``quantization``: quantize the linear layers once loaded (``tandem.engine.quantization``);
@@ -73,7 +75,7 @@ def load_model(
     with torch.device("meta"):
         model = cls(config, dtype)
         if tp is not None and tp.size > 1:
-            shard_model(model, config, tp)
+            shard_model(model, config, tp, expert_split)
         if stored is not None:
             quantize_model(model, stored, empty=True)
         model = model.to(dtype)
@@ -92,7 +94,9 @@ def load_model(
             f" and {len(missing) - 8} more" if len(missing) > 8 else ""
         )
         raise ValueError(f"checkpoint in {model_dir!s} is missing tensors: {shown}")
-    model.model.rotary.materialize(device)
+    for module in model.modules():
+        if isinstance(module, RotaryEmbedding):
+            module.materialize(device)
     if quantization is not None and stored is None:
         with torch.no_grad():
             quantize_model(model, quantization)

@@ -20,6 +20,7 @@ from tandem.engine import hugepages
 from tandem.engine.attention.base import AttentionBackendKind, make_backend
 from tandem.engine.attention.kv_quant import KVCacheDtype, cache_row
 from tandem.engine.layers.linear import LinearBackend, pack_linear_layers
+from tandem.engine.layers.moe import ExpertSplit
 from tandem.engine.layers.native_ops import native_ops_for, use_native_ops
 from tandem.engine.loader import load_model
 from tandem.engine.parallel.group import TensorParallelGroup
@@ -85,19 +86,21 @@ class ModelRunner:
         seed: int,
         tp: TensorParallelGroup | None = None,
         quantization: QuantizationConfig | None = None,
+        expert_split: ExpertSplit = ExpertSplit.TENSOR,
     ) -> None:
         """``tp``: this rank's group when the model is split over ranks; ``layout``
         then describes this rank's heads. Rank 0 runs ``execute`` / ``last_logits`` and
         sends each forward's plan to the other ranks, which run ``run_plan``.
         ``quantization``: quantize the linear layers at load (a quantized checkpoint
-        loads quantized regardless)."""
+        loads quantized regardless). ``expert_split``: how a mixture of experts splits
+        over the ranks."""
         self.device = device
         self.layout = layout
         self.eos_token_ids = eos_token_ids
         self.tp = tp if tp is not None and tp.size > 1 else None
         self._plans = PlanChannel(self.tp) if self.tp is not None else None
         self.model = load_model(
-            model_dir, model_config, layout.dtype, device, self.tp, quantization
+            model_dir, model_config, layout.dtype, device, self.tp, quantization, expert_split
         )
         if linear_backend is not LinearBackend.TORCH:
             pack_linear_layers(self.model, linear_backend)
@@ -106,7 +109,11 @@ class ModelRunner:
             use_native_ops(self.model, native_ops)
         self.kv_caches: list[torch.Tensor] = []
         self.backend = make_backend(
-            backend, model_config.head_dim**-0.5, layout.block_size, layout.kv_cache_dtype
+            backend,
+            model_config.attention_scale,
+            layout.block_size,
+            layout.kv_cache_dtype,
+            model_config.attn_logit_softcap,
         )
         self.sampler = Sampler(device, seed)
         self._generators: dict[str, torch.Generator] = {}

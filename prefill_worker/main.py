@@ -61,7 +61,10 @@ async def run(options: WorkerOptions, stop: asyncio.Event | None = None) -> None
 
     kv_service = KVTransferServicer(sender, leases, service.lease_ended, on_sent=sent)
     capacity = WorkerCapacity(
-        engine.num_kv_blocks, engine.runtime.block_size, engine.config.max_num_seqs
+        engine.num_kv_blocks,
+        engine.runtime.block_size,
+        engine.config.max_num_seqs,
+        engine.runtime.max_model_len,
     )
 
     def make_info(address: str) -> WorkerInfo:

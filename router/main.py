@@ -46,6 +46,9 @@ class RouterOptions:
     disaggregation_min_tokens: int = 32
     max_pending_requests: int = 1024
     max_model_len: int | None = None
+    generation_config: str = "auto"
+    """Sampling defaults for what requests leave unset: ``auto`` (the checkpoint's
+    ``generation_config.json``), ``vllm`` (Tandem's own) or a directory holding one."""
     metrics_port: int | None = None
     """Serve Prometheus ``GET /metrics`` here (0: a free port); ``None``: no endpoint."""
     readiness: ReadinessRule = ReadinessRule()
@@ -81,6 +84,17 @@ class RouterState:
     http_port: int | None = None
 
 
+def workers_max_model_len(watcher: RegistryWatcher) -> int | None:
+    """The smallest ``max_model_len`` the live workers report (``None``: none reports
+    one): a prompt longer than that could be refused by the worker it is routed to."""
+    limits = (
+        record.info.capacity.max_model_len
+        for role in WorkerRole
+        for record in watcher.workers(role)
+    )
+    return min((n for n in limits if n is not None), default=None)
+
+
 async def run(
     options: RouterOptions,
     stop: asyncio.Event | None = None,
@@ -88,6 +102,14 @@ async def run(
 ) -> None:
     """Serve until ``stop`` (default: SIGINT/SIGTERM); ``started`` gets the live state."""
     whole_process = stop is None  # run by a command, not embedded in another program
+    # The checkpoint's files first: a missing or broken one fails before anything starts.
+    validator = RequestValidator.from_dir(
+        options.model_dir,
+        options.model_name,
+        options.max_model_len,
+        options.generation_config,
+        lambda: workers_max_model_len(watcher),
+    )
     stop = stop or stop_on_signals()
     clients = WorkerClients(options.internal_tls)
     metrics = RouterMetrics(options.model_name)
@@ -144,9 +166,6 @@ async def run(
         if options.api_keys is None:
             raise ValueError("per-key rate limits need API keys")
         limiter = RateLimiter(options.redis_url, options.rate_limit)
-    validator = RequestValidator.from_dir(
-        options.model_dir, options.model_name, options.max_model_len
-    )
     generator = Generator(
         validator,
         Tokenizer.from_dir(options.model_dir),

@@ -11,18 +11,21 @@ are taken as they are, checked against the model's vocabulary.
 
 Sampling: ``tandem.common.wire`` maps the wire's ``SamplingParams`` onto tandem's (the same
 mapping every hop uses; ``tandem.common.wire.sampling_to_proto`` is its inverse, exact since
-the floats are doubles); this module adds the checks and the field-naming errors.
+the floats are doubles); this module adds the checks and the field-naming errors, and the
+served model's sampling defaults (``tandem.common.generation_config``) for the fields a
+request leaves unset, so the workers get every field resolved.
 """
 
 from __future__ import annotations
 
 import math
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 from tandem.common.constraints import check_constraint
+from tandem.common.generation_config import AUTO, SamplingDefaults, load_sampling_defaults
 from tandem.common.model_config import ModelConfig
 from tandem.common.sampling_params import SamplingParams
 from tandem.common.tokenizer import ChatTemplateError, Tokenizer
@@ -74,8 +77,12 @@ class RequestValidator:
     """Validates requests for one served model; built once at router start-up.
 
     ``max_model_len`` (prompt plus output) defaults to the checkpoint's
-    ``max_position_embeddings`` and may not exceed it. Stateless after construction,
-    so one instance serves all requests concurrently.
+    ``max_position_embeddings`` and may not exceed it; ``workers_max_model_len()``
+    (called per request; ``None`` when no live worker says) lowers it to what the
+    workers take, which may be less (a worker's own ``--max-model-len``, or a context
+    its engine fitted to its KV cache). ``sampling_defaults`` fill the sampling fields a
+    request leaves unset. Stateless after construction, so one instance serves all
+    requests concurrently.
     """
 
     def __init__(
@@ -84,6 +91,8 @@ class RequestValidator:
         tokenizer: Tokenizer,
         config: ModelConfig,
         max_model_len: int | None = None,
+        sampling_defaults: SamplingDefaults | None = None,
+        workers_max_model_len: Callable[[], int | None] = lambda: None,
     ):
         limit = config.max_position_embeddings
         if max_model_len is None:
@@ -91,17 +100,34 @@ class RequestValidator:
         if not 2 <= max_model_len <= limit:
             raise ValueError(f"max_model_len must be in [2, {limit}], got {max_model_len}")
         self.model_name = model_name
-        self.max_model_len = max_model_len
+        self.configured_max_model_len = max_model_len
+        self._workers_max_model_len = workers_max_model_len
         self.vocab_size = config.vocab_size
+        self.sampling_defaults = sampling_defaults or SamplingDefaults()
         self._tokenizer = tokenizer
 
     @classmethod
     def from_dir(
-        cls, model_dir: str | Path, model_name: str, max_model_len: int | None = None
+        cls,
+        model_dir: str | Path,
+        model_name: str,
+        max_model_len: int | None = None,
+        generation_config: str = AUTO,
+        workers_max_model_len: Callable[[], int | None] = lambda: None,
     ) -> RequestValidator:
-        """Read the tokenizer and config from a HF checkpoint directory."""
+        """Read the tokenizer, config and sampling defaults (``generation_config``: see
+        ``load_sampling_defaults``) from a HF checkpoint directory."""
         config = ModelConfig.from_dir(model_dir)
-        return cls(model_name, Tokenizer.from_dir(model_dir), config, max_model_len)
+        defaults = load_sampling_defaults(generation_config, model_dir)
+        tokenizer = Tokenizer.from_dir(model_dir)
+        return cls(model_name, tokenizer, config, max_model_len, defaults, workers_max_model_len)
+
+    @property
+    def max_model_len(self) -> int:
+        """The longest prompt + output accepted now: the router's own limit, or the live
+        workers' smallest when that is less."""
+        own, workers = self.configured_max_model_len, self._workers_max_model_len()
+        return own if workers is None else min(own, workers)
 
     @property
     def max_prompt_tokens(self) -> int:
@@ -116,7 +142,7 @@ class RequestValidator:
                 f"{request.model!r} is not served here (this router serves "
                 f"{self.model_name!r}); leave it empty or name the served model",
             )
-        sampling = validate_sampling(request.sampling)
+        sampling = validate_sampling(request.sampling, self.sampling_defaults)
         self._check_token_ids("sampling.stop_token_ids", sampling.stop_token_ids)
         field, text, token_ids = self._prompt(request)
         self._check_length(field, len(token_ids))
@@ -180,18 +206,22 @@ class RequestValidator:
     def _check_length(self, field: str, num_tokens: int) -> None:
         if num_tokens == 0:
             raise InvalidRequest(field, "encodes to no tokens")
-        if num_tokens > self.max_prompt_tokens:
+        limit = self.max_model_len
+        if num_tokens > limit - 1:
             raise InvalidRequest(
                 field,
-                f"is {num_tokens} tokens long, more than the {self.max_prompt_tokens} "
-                f"this model accepts (max_model_len {self.max_model_len}, less one position "
+                f"is {num_tokens} tokens long, more than the {limit - 1} "
+                f"this model accepts (max_model_len {limit}, less one position "
                 "for the first generated token)",
             )
 
 
-def validate_sampling(proto: common_pb2.SamplingParams) -> SamplingParams:
+def validate_sampling(
+    proto: common_pb2.SamplingParams, defaults: SamplingDefaults | None = None
+) -> SamplingParams:
     """Tandem's ``SamplingParams`` for a wire message (``tandem.common.wire`` does the mapping:
-    unset optional fields take the tandem defaults, ``top_k`` unset means no top-k).
+    unset optional fields take ``defaults``, else the tandem defaults; ``top_k`` unset
+    with no default means no top-k).
 
     Raises ``InvalidRequest`` (field ``sampling.<name>``) for a float that is not
     finite, and where ``SamplingParams`` rejects a value, with its message.
@@ -200,7 +230,7 @@ def validate_sampling(proto: common_pb2.SamplingParams) -> SamplingParams:
         if not math.isfinite(value := getattr(proto, name)):
             raise InvalidRequest(f"sampling.{name}", f"must be a finite number, got {value}")
     try:
-        sampling = sampling_from_proto(proto)
+        sampling = sampling_from_proto(proto, defaults)
         if sampling.structured is not None:
             check_constraint(sampling.structured)
     except ValueError as err:  # the message starts with the field's name

@@ -15,7 +15,7 @@ from tests.hf_reference import hf_greedy, random_prompts
 
 NUM_NEW = 24
 GREEDY = SamplingParams(temperature=0, max_tokens=NUM_NEW, ignore_eos=True)
-ARCHS = ["llama", "qwen2", "mistral"]
+ARCHS = ["llama", "qwen2", "mistral", "qwen3", "phi3", "gemma2", "gemma3", "mixtral", "qwen3_moe"]
 
 
 def assert_pool_idle(llm: LLM) -> None:
@@ -97,7 +97,7 @@ def test_llama_variants_match(variant: dict, reference, prompts) -> None:
     assert_pool_idle(llm)
 
 
-@pytest.mark.parametrize("arch", ["llama", "mistral"])
+@pytest.mark.parametrize("arch", ["llama", "mistral", "gemma2", "qwen3_moe"])
 def test_reference_backend_matches(arch: str, reference, prompts) -> None:
     model_dir, expected = reference(arch)
     llm = LLM(

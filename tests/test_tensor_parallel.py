@@ -29,7 +29,16 @@ CASES = {
     "llama-mqa": {"arch": "llama", "kv_heads": 1},
     "qwen2": {"arch": "qwen2"},
     "mistral": {"arch": "mistral"},
+    "qwen3": {"arch": "qwen3"},
+    "phi3": {"arch": "phi3"},
+    "gemma2": {"arch": "gemma2"},
+    "gemma3": {"arch": "gemma3"},
+    "mixtral": {"arch": "mixtral"},
+    "qwen3_moe": {"arch": "qwen3_moe"},
 }
+EXPERT_PARALLEL = {"mixtral-ep", "qwen3_moe-ep"}
+"""Cases run with ``enable_expert_parallel``: each rank holds half of the experts."""
+CASES |= {case: {"arch": case.removesuffix("-ep")} for case in EXPERT_PARALLEL}
 
 
 @pytest.fixture(scope="module")
@@ -46,7 +55,12 @@ def test_tp2_greedy_equals_tp1_and_transformers(
     expected = hf_greedy(model_dir, prompts, NUM_NEW)
     single = LLM(model_dir, dtype="float32", num_kv_blocks=128).generate(prompts, GREEDY)
     with LLM(
-        model_dir, dtype="float32", num_kv_blocks=128, tensor_parallel_size=2, num_threads=1
+        model_dir,
+        dtype="float32",
+        num_kv_blocks=128,
+        tensor_parallel_size=2,
+        num_threads=1,
+        enable_expert_parallel=case in EXPERT_PARALLEL,
     ) as llm:
         assert llm.engine.runner.layout.num_kv_heads == max(
             1, ModelConfig.from_dir(model_dir).num_kv_heads // 2

@@ -70,10 +70,14 @@ def native_cpu_max_head_dim() -> int | None:
 
 
 def native_cpu_available(
-    device: torch.device, dtype: torch.dtype, head_dim: int | None = None
+    device: torch.device,
+    dtype: torch.dtype,
+    head_dim: int | None = None,
+    softcap: float | None = None,
 ) -> bool:
-    """Whether the native CPU kernel serves ``dtype`` on ``device`` (and ``head_dim``)."""
-    if device.type != "cpu" or dtype != torch.float32:
+    """Whether the native CPU kernel serves ``dtype`` on ``device`` (and ``head_dim``;
+    it has no score soft-capping)."""
+    if device.type != "cpu" or dtype != torch.float32 or softcap is not None:
         return False
     limit = native_cpu_max_head_dim()
     return limit is not None and (head_dim is None or head_dim <= limit)
@@ -84,25 +88,31 @@ def select_backend_kind(
     device: torch.device,
     dtype: torch.dtype,
     head_dim: int | None = None,
+    softcap: float | None = None,
 ) -> AttentionBackendKind:
     """``flash`` when importable on CUDA; on CPU in float32 the native kernel when it
-    builds and takes ``head_dim``; ``sdpa`` otherwise — unless one is requested."""
+    builds and takes ``head_dim`` (and the model soft-caps no scores); ``sdpa``
+    otherwise — unless one is requested."""
     if requested is AttentionBackendKind.FLASH and not (
         device.type == "cuda" and flash_attn_available()
     ):
         raise ValueError("attention_backend 'flash' needs CUDA and the flash-attn package")
-    if requested is AttentionBackendKind.CPU and not native_cpu_available(device, dtype, head_dim):
+    if requested is AttentionBackendKind.CPU and not native_cpu_available(
+        device, dtype, head_dim, softcap
+    ):
         limit = native_cpu_max_head_dim()
         within = f", head_dim <= {limit}" if limit is not None else ""
+        capped = ", attention soft-capping" if softcap is not None else ""
         raise ValueError(
-            f"attention_backend 'cpu' needs a CPU, float32, a C compiler{within}"
-            f" (got {device.type}, {str(dtype).removeprefix('torch.')}, head_dim {head_dim})"
+            f"attention_backend 'cpu' needs a CPU, float32, a C compiler, no score "
+            f"soft-capping{within} (got {device.type}, {str(dtype).removeprefix('torch.')}, "
+            f"head_dim {head_dim}{capped})"
         )
     if requested is not None:
         return requested
     if device.type == "cuda" and flash_attn_available():
         return AttentionBackendKind.FLASH
-    if native_cpu_available(device, dtype, head_dim):
+    if native_cpu_available(device, dtype, head_dim, softcap):
         return AttentionBackendKind.CPU
     return AttentionBackendKind.SDPA
 
@@ -112,18 +122,22 @@ def make_backend(
     scale: float,
     block_size: int,
     kv_dtype: KVCacheDtype = KVCacheDtype.AUTO,
+    softcap: float | None = None,
 ) -> AttentionBackend:
     """``kv_dtype``: how the cache stores values; every backend but flash reads a
-    quantized cache (``EngineConfig`` refuses flash with one)."""
+    quantized cache (``EngineConfig`` refuses flash with one). ``softcap``: scores
+    become ``softcap * tanh(scores / softcap)`` before the softmax (Gemma 2)."""
     codec = make_kv_codec(kv_dtype)
     if kind is AttentionBackendKind.TORCH:
         from tandem.engine.attention.torch_ref import TorchPagedAttention
 
-        return TorchPagedAttention(scale, codec)
+        return TorchPagedAttention(scale, codec, softcap)
     if kind is AttentionBackendKind.SDPA:
         from tandem.engine.attention.sdpa import SdpaAttention
 
-        return SdpaAttention(scale, codec)
+        return SdpaAttention(scale, codec, softcap)
+    if softcap is not None and kind is AttentionBackendKind.CPU:
+        raise ValueError("attention_backend 'cpu' has no score soft-capping")
     if kind is AttentionBackendKind.CPU:
         from tandem.engine.attention.cpu_paged import CpuPagedAttention
         from tandem.engine.attention.native import paged_decode_library
@@ -133,4 +147,4 @@ def make_backend(
         raise ValueError(f"attention_backend 'flash' cannot read a {kv_dtype.value} KV cache")
     from tandem.engine.attention.flash import FlashAttention
 
-    return FlashAttention(scale, block_size)
+    return FlashAttention(scale, block_size, softcap)

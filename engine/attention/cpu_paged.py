@@ -50,7 +50,7 @@ class CpuPagedAttention(SdpaAttention):
         self, scale: float, library: ctypes.CDLL, kv_dtype: KVCacheDtype = KVCacheDtype.AUTO
     ) -> None:
         codec = NativeQuantizedKV(kv_dtype, library) if kv_dtype.quantized else None
-        super().__init__(scale, codec or make_kv_codec(kv_dtype))
+        super().__init__(scale, codec or make_kv_codec(kv_dtype), softcap=None)
         self._kernel = _kernel_for(library, kv_dtype)
         self._rows: _KernelRows | None = None
         self._long_spans: list[tuple[int, int, int, int]] = []

@@ -18,7 +18,7 @@ FLASH_BLOCK_SIZE_MULTIPLE = 256
 
 
 class FlashAttention:
-    def __init__(self, scale: float, block_size: int) -> None:
+    def __init__(self, scale: float, block_size: int, softcap: float | None = None) -> None:
         if block_size % FLASH_BLOCK_SIZE_MULTIPLE:
             raise ValueError(
                 f"block_size {block_size} is not a multiple of {FLASH_BLOCK_SIZE_MULTIPLE}, "
@@ -28,6 +28,7 @@ class FlashAttention:
 
         self._kernel = flash_attn_varlen_func
         self.scale = scale
+        self.softcap = softcap or 0.0  # flash-attn's 0.0: no capping
         self._cu_q: torch.Tensor | None = None
         self._cu_k: torch.Tensor | None = None
         self._table: torch.Tensor | None = None
@@ -65,5 +66,6 @@ class FlashAttention:
             softmax_scale=self.scale,
             causal=True,
             window_size=window,
+            softcap=self.softcap,
             block_table=self._table,
         )

@@ -6,6 +6,10 @@ reads its context through the block table with an explicit mask. All decodes of 
 run as one padded SDPA batch whose mask is built once per step and window, then reused
 by every layer. With a quantized cache, gathered blocks are dequantized before SDPA and a
 chunk's own fresh keys/values go through the same quantize-dequantize round trip.
+
+Soft-capped scores (Gemma 2: ``cap * tanh(scores / cap)`` before the softmax) are beyond
+SDPA's fused kernels; such a model's layers take the same inputs through ``_capped``,
+the attention written out in torch ops.
 """
 
 from __future__ import annotations
@@ -18,9 +22,12 @@ from tandem.engine.attention.metadata import AttentionMetadata, gather_kv, visib
 
 
 class SdpaAttention:
-    def __init__(self, scale: float, kv: KVCodec | None = None) -> None:
+    def __init__(
+        self, scale: float, kv: KVCodec | None = None, softcap: float | None = None
+    ) -> None:
         self.scale = scale
         self.kv = kv or FloatKV()
+        self.softcap = softcap
         self._decode_masks: dict[int | None, torch.Tensor] = {}
 
     def plan(self, meta: AttentionMetadata) -> None:
@@ -90,18 +97,39 @@ class SdpaAttention:
         if context_start > 0 or (sliding_window is not None and seq_len > sliding_window):
             positions = torch.arange(context_start, seq_len, device=q.device)
             mask = visible_keys(positions, seq_len, sliding_window)
+        if mask is None and self.softcap is not None:
+            mask = visible_keys(torch.arange(seq_len, device=q.device), seq_len, None)
         # 4-D inputs: torch's fused CPU kernel takes them (with GQA); 3-D ones fall back
         # to the unfused math path, 2.3x slower on a 200-token chunk.
-        out = F.scaled_dot_product_attention(
+        out = self._attend(
             q.transpose(0, 1).unsqueeze(0),
             k.transpose(0, 1).unsqueeze(0),
             v.transpose(0, 1).unsqueeze(0),
-            attn_mask=mask,
-            is_causal=mask is None,
-            scale=self.scale,
-            enable_gqa=True,
+            mask,
         )
         return out[0].transpose(0, 1)
+
+    def _attend(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None
+    ) -> torch.Tensor:
+        """``q [B, H, Q, D]``, ``k, v [B, KVH, K, D]``, ``mask`` (True: visible; ``None``:
+        causal) → ``[B, H, Q, D]``."""
+        if self.softcap is not None:
+            return self._capped(q, k, v, mask)
+        return F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, is_causal=mask is None, scale=self.scale, enable_gqa=True
+        )
+
+    def _capped(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
+    ) -> torch.Tensor:
+        group = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+        scores = torch.matmul(q, k.transpose(2, 3)) * self.scale
+        scores = torch.tanh(scores / self.softcap) * self.softcap
+        scores = scores.masked_fill(~mask, float("-inf"))
+        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+        return torch.matmul(probs, v)
 
     def _decode(
         self,
@@ -114,10 +142,7 @@ class SdpaAttention:
         keys = self.kv.read(gather_kv(kv_cache[0], table), q.dtype).transpose(1, 2)
         values = self.kv.read(gather_kv(kv_cache[1], table), q.dtype).transpose(1, 2)
         mask = self._decode_mask(meta, keys.shape[2], sliding_window)
-        out = F.scaled_dot_product_attention(
-            q.unsqueeze(2), keys, values, attn_mask=mask, scale=self.scale, enable_gqa=True
-        )
-        return out.squeeze(2)
+        return self._attend(q.unsqueeze(2), keys, values, mask).squeeze(2)
 
     def _decode_mask(
         self, meta: AttentionMetadata, num_keys: int, sliding_window: int | None

@@ -14,9 +14,12 @@ from tandem.engine.attention.metadata import AttentionMetadata, gather_kv, visib
 
 
 class TorchPagedAttention:
-    def __init__(self, scale: float, kv: KVCodec | None = None) -> None:
+    def __init__(
+        self, scale: float, kv: KVCodec | None = None, softcap: float | None = None
+    ) -> None:
         self.scale = scale
         self.kv = kv or FloatKV()
+        self.softcap = softcap
 
     def plan(self, meta: AttentionMetadata) -> None:
         """Nothing to prepare: every layer recomputes its masks."""
@@ -44,7 +47,10 @@ class TorchPagedAttention:
             positions = torch.arange(seq_len - (q_end - q_start), seq_len, device=q.device)
             mask = visible_keys(positions, seq_len, sliding_window)
             scores = torch.einsum("qhd,khd->hqk", q[q_start:q_end].float(), keys.float())
-            scores = (scores * self.scale).masked_fill(~mask, float("-inf"))
+            scores = scores * self.scale
+            if self.softcap is not None:
+                scores = torch.tanh(scores / self.softcap) * self.softcap
+            scores = scores.masked_fill(~mask, float("-inf"))
             probs = scores.softmax(dim=-1)
             out[q_start:q_end] = torch.einsum("hqk,khd->qhd", probs, values.float()).to(q.dtype)
         return out

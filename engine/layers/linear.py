@@ -27,6 +27,7 @@ from typing import Protocol, runtime_checkable
 import torch
 from torch import nn
 
+from tandem.common.model_config import Activation
 from tandem.engine.layers.mlp import GatedMLP
 from tandem.engine.layers.native_gemm import (
     native_gemm,
@@ -185,7 +186,7 @@ def pack_linear_layers(model: nn.Module, backend: LinearBackend) -> int:
     # would also pack the replaced MLPs' linears and keep every original weight alive
     # until the end (twice the weights' memory at the peak).
     for name, child in list(model.named_children()):
-        if isinstance(child, GatedMLP):
+        if isinstance(child, GatedMLP) and child.activation is Activation.SILU:
             setattr(model, name, _PACKED_MLP[backend](child))
         elif isinstance(child, nn.Linear):
             setattr(model, name, packed_linear(child, backend))

@@ -1,8 +1,10 @@
 """Rotary position embeddings with the RoPE scalings found in Llama-family checkpoints.
 
 cos/sin tables for every position up to the model's context are built once; a forward
-pass only indexes them. ``rotate_half`` layout (the first half of the head dimension
-pairs with the second half), as HuggingFace checkpoints expect.
+pass only indexes them. ``rotate_half`` layout (the first half of the rotated dimensions
+pairs with the second half), as HuggingFace checkpoints expect. With a partial rotary
+factor (Phi-3, Phi-4-mini) only the leading ``rotary_dim`` dims of each head turn; the
+rest pass through.
 """
 
 from __future__ import annotations
@@ -51,20 +53,27 @@ class RotaryEmbedding(nn.Module):
     """cos/sin tables (computed in float32, stored in the model dtype) indexed by position."""
 
     def __init__(
-        self, head_dim: int, max_positions: int, rope: RopeConfig, dtype: torch.dtype
+        self,
+        head_dim: int,
+        max_positions: int,
+        rope: RopeConfig,
+        dtype: torch.dtype,
+        rotary_dim: int | None = None,
     ) -> None:
+        """``rotary_dim``: the leading dims of each head that turn (``None``: all)."""
         super().__init__()
         self.head_dim, self.max_positions, self.rope, self.dtype = (
-            head_dim,
+            rotary_dim or head_dim,
             max_positions,
             rope,
             dtype,
         )
+        self.partial = self.head_dim != head_dim
         self.register_buffer(
-            "cos", torch.empty(max_positions, head_dim, dtype=dtype), persistent=False
+            "cos", torch.empty(max_positions, self.head_dim, dtype=dtype), persistent=False
         )
         self.register_buffer(
-            "sin", torch.empty(max_positions, head_dim, dtype=dtype), persistent=False
+            "sin", torch.empty(max_positions, self.head_dim, dtype=dtype), persistent=False
         )
         self.native: FusedOps | None = None
         """Set by ``native_ops.use_native_ops`` (float32 CPU inference): q and k rotated
@@ -84,11 +93,26 @@ class RotaryEmbedding(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Rotate ``q [T, H, D]`` and ``k [T, KVH, D]`` by their token ``positions [T]``
         into new tensors."""
+        if self.partial:
+            return self._partial(positions, q, k)
         if self.native is not None:
             return self.native.rotary(positions, q, k, self.cos, self.sin)
         cos = self.cos[positions].unsqueeze(1)
         sin = self.sin[positions].unsqueeze(1)
         return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+
+    def _partial(
+        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        cos = self.cos[positions].unsqueeze(1)
+        sin = self.sin[positions].unsqueeze(1)
+        d = self.head_dim
+
+        def turn(x: torch.Tensor) -> torch.Tensor:
+            head, rest = x[..., :d], x[..., d:]
+            return torch.cat([head * cos + _rotate_half(head) * sin, rest], dim=-1)
+
+        return turn(q), turn(k)
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:

@@ -1,5 +1,9 @@
 """The Llama decoder: pre-norm blocks of grouped-query attention and a SwiGLU MLP.
 
+The family's variants are config values read here, not subclasses of the layers: a q/k
+norm per head (Qwen3), a partial rotation (Phi-3), a mixture of experts in place of the
+MLP on the layers the config names (Mixtral, Qwen3-MoE: ``layers.moe``).
+
 Runs a flattened batch: ``input_ids [T]`` of all scheduled tokens of all sequences, with
 ``positions [T]``; attention finds each token's sequence through the metadata. The module
 tree mirrors HuggingFace's so checkpoint names map one to one, except that q/k/v and
@@ -19,6 +23,7 @@ from tandem.engine.attention.base import AttentionBackend
 from tandem.engine.attention.metadata import AttentionMetadata
 from tandem.engine.layers.attention import SelfAttention
 from tandem.engine.layers.mlp import GatedMLP
+from tandem.engine.layers.moe import GATE, UP, SparseMoE
 from tandem.engine.layers.norm import RMSNorm
 from tandem.engine.layers.rotary import RotaryEmbedding
 
@@ -34,11 +39,31 @@ FUSED_SHARDS: dict[str, tuple[str, int]] = {
     "up_proj": ("gate_up_proj", 1),
 }
 
+# Per-expert checkpoint tensor -> (stacked parameter, half of gate_up_proj): the HF hub's
+# Qwen3-MoE names and Mixtral's w1 / w3 / w2.
+EXPERT_SHARDS: dict[str, tuple[str, int]] = {
+    "gate_proj": ("gate_up_proj", GATE),
+    "up_proj": ("gate_up_proj", UP),
+    "down_proj": ("down_proj", 0),
+    "w1": ("gate_up_proj", GATE),
+    "w3": ("gate_up_proj", UP),
+    "w2": ("down_proj", 0),
+}
+
+
+def make_mlp(config: ModelConfig, layer_index: int) -> nn.Module:
+    """The layer's feed-forward block: a mixture of experts where the config says so."""
+    moe = config.moe
+    if moe is not None and moe.sparse_layers[layer_index]:
+        return SparseMoE(config.hidden_size, moe, config.hidden_act)
+    return GatedMLP(config.hidden_size, config.intermediate_size, config.hidden_act)
+
 
 class DecoderLayer(nn.Module):
     def __init__(self, config: ModelConfig, layer_index: int) -> None:
         super().__init__()
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        eps = config.rms_norm_eps
+        self.input_layernorm = RMSNorm(config.hidden_size, eps)
         self.self_attn = SelfAttention(
             config.hidden_size,
             config.num_heads,
@@ -46,9 +71,10 @@ class DecoderLayer(nn.Module):
             config.head_dim,
             config.qkv_bias,
             config.sliding_windows[layer_index],
+            qk_norm=(lambda dim: RMSNorm(dim, eps)) if config.qk_norm else None,
         )
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = GatedMLP(config.hidden_size, config.intermediate_size)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, eps)
+        self.mlp = make_mlp(config, layer_index)
 
     def forward(
         self,
@@ -76,7 +102,11 @@ class DecoderStack(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary = RotaryEmbedding(
-            config.head_dim, config.max_position_embeddings, config.rope, dtype
+            config.head_dim,
+            config.max_position_embeddings,
+            config.rope,
+            dtype,
+            rotary_dim=config.rotary_dim,
         )
 
     def forward(
@@ -117,13 +147,16 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)
 
-    def checkpoint_targets(self, name: str) -> tuple[str, int | None] | None:
-        """Where checkpoint tensor ``name`` goes: ``(parameter name, shard index or None)``,
-        or ``None`` for tensors this model does not use."""
+    def checkpoint_targets(self, name: str) -> tuple[str, object] | None:
+        """Where checkpoint tensor ``name`` goes: ``(parameter name, shard or None)``, or
+        ``None`` for tensors this model does not use. A shard is an index into a fused
+        parameter's stacked tensors, or ``(expert, half)`` for an expert's tensor."""
         if name == "lm_head.weight" and self.config.tie_word_embeddings:
             return None
         if name.endswith("rotary_emb.inv_freq"):
             return None
+        if ".experts." in name:
+            return _expert_target(name)
         prefix, _, leaf = name.rpartition(".")
         module_path, _, proj = prefix.rpartition(".")
         if proj in FUSED_SHARDS:
@@ -157,11 +190,17 @@ class LlamaForCausalLM(nn.Module):
                     f"checkpoint tensor {name!r} has no place in {type(self).__name__}"
                 )
             module_name, _, leaf = param_name.rpartition(".")
-            load_slice = getattr(modules[module_name], "load_slice", None)
+            module = modules[module_name]
+            load_slice = getattr(module, "load_slice", None)
             if load_slice is not None:
                 load_slice(leaf, tensor, shard)
             else:
                 self._load_whole(name, param.data, param_name, shard, tensor)
+            is_filled = getattr(module, "is_filled", None)
+            if is_filled is not None:  # a module that counts its own pieces (experts)
+                if is_filled(leaf):
+                    filled.add(param_name)
+                continue
             if shard is None:
                 filled.add(param_name)
                 continue
@@ -187,3 +226,21 @@ class LlamaForCausalLM(nn.Module):
                 f"expected {tuple(dest.shape)}"
             )
         dest.copy_(tensor.full())
+
+
+def _expert_target(name: str) -> tuple[str, object]:
+    """``...{mlp|block_sparse_moe}.experts.{e}.{proj}.weight`` (per expert) or
+    ``...experts.{gate_up_proj|down_proj}`` (stacked, as transformers 5 keeps them)."""
+    head, _, tail = name.partition(".experts.")
+    layer, _, block = head.rpartition(".")
+    target = f"{layer}.mlp.experts"  # Mixtral's block_sparse_moe is this model's mlp
+    if block not in ("mlp", "block_sparse_moe"):
+        raise ValueError(f"checkpoint tensor {name!r} has no place in a mixture-of-experts model")
+    if tail in ("gate_up_proj", "down_proj"):
+        return f"{target}.{tail}", None
+    expert, _, rest = tail.partition(".")
+    proj = rest.removesuffix(".weight")
+    if not expert.isdigit() or proj not in EXPERT_SHARDS or not rest.endswith(".weight"):
+        raise ValueError(f"checkpoint tensor {name!r} is not an expert weight this model knows")
+    stacked, half = EXPERT_SHARDS[proj]
+    return f"{target}.{stacked}", (int(expert), half)

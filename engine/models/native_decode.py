@@ -123,10 +123,14 @@ class NativeDecoder:
     def supports(model: nn.Module) -> bool:
         """A Llama-family model in float32 on the CPU with plain linear layers and a
         head_dim the attention kernel takes, and the native library built."""
+        from tandem.common.model_config import Architecture
         from tandem.engine.models.llama import LlamaForCausalLM
 
         library = paged_decode_library()
         if not isinstance(model, LlamaForCausalLM) or library is None:
+            return False
+        plain = (Architecture.LLAMA, Architecture.QWEN2, Architecture.MISTRAL)
+        if model.config.architecture not in plain:  # q/k norms, experts, partial rope...
             return False
         if model.config.head_dim > library.tandem_paged_decode_max_head_dim():
             return False

@@ -20,6 +20,7 @@ from torch import nn
 from tandem.common.model_config import ModelConfig
 from tandem.engine.layers.attention import SelfAttention
 from tandem.engine.layers.mlp import GatedMLP
+from tandem.engine.layers.moe import ExpertSplit, SparseMoE
 from tandem.engine.parallel.group import TensorParallelGroup
 from tandem.engine.parallel.layers import (
     ColumnParallelLinear,
@@ -39,7 +40,9 @@ class HeadSplit:
     kv: Span
 
 
-def check_tensor_parallel(config: ModelConfig, size: int) -> None:
+def check_tensor_parallel(
+    config: ModelConfig, size: int, expert_split: ExpertSplit = ExpertSplit.TENSOR
+) -> None:
     """Raises ``ValueError`` naming what does not divide by ``size``."""
     if size == 1:
         return
@@ -51,6 +54,11 @@ def check_tensor_parallel(config: ModelConfig, size: int) -> None:
         problems.append(f"num_key_value_heads ({kv}; or tp a multiple of it)")
     if config.intermediate_size % size:
         problems.append(f"intermediate_size ({config.intermediate_size})")
+    moe = config.moe
+    if moe is not None and expert_split is ExpertSplit.EXPERT and moe.num_experts % size:
+        problems.append(f"the number of experts ({moe.num_experts}; expert parallelism)")
+    if moe is not None and expert_split is ExpertSplit.TENSOR and moe.intermediate_size % size:
+        problems.append(f"the experts' intermediate size ({moe.intermediate_size})")
     if problems:
         raise ValueError(
             f"tensor_parallel_size {size} must divide the model's " + ", ".join(problems)
@@ -65,10 +73,16 @@ def head_split(config: ModelConfig, rank: int, size: int) -> HeadSplit:
     return HeadSplit(q, Span(rank // (size // kv_heads), 1))
 
 
-def shard_model(model: nn.Module, config: ModelConfig, group: TensorParallelGroup) -> None:
+def shard_model(
+    model: nn.Module,
+    config: ModelConfig,
+    group: TensorParallelGroup,
+    expert_split: ExpertSplit = ExpertSplit.TENSOR,
+) -> None:
     """Replaces, in place, the linear layers and the embedding / LM head of a Llama-family
-    model (on the meta device) by this rank's parallel slices."""
-    check_tensor_parallel(config, group.size)
+    model (on the meta device) by this rank's parallel slices; a mixture of experts
+    keeps this rank's share of its experts (``expert_split``)."""
+    check_tensor_parallel(config, group.size, expert_split)
     heads = head_split(config, group.rank, group.size)
     d = config.head_dim
     q = Span(heads.q.start * d, heads.q.size * d)
@@ -87,6 +101,8 @@ def shard_model(model: nn.Module, config: ModelConfig, group: TensorParallelGrou
             module.gate_up_proj = ColumnParallelLinear(hidden, [columns, columns], bias=False)
             module.down_proj = RowParallelLinear(columns, hidden, group)
             module.intermediate_size = columns.size
+        elif isinstance(module, SparseMoE):
+            module.shard(expert_split, group)
     embedding = VocabParallelEmbedding(config.vocab_size, hidden, group)
     model.model.embed_tokens = embedding
     model.lm_head = ParallelLMHead(embedding, tied=config.tie_word_embeddings)

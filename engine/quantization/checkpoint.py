@@ -23,10 +23,15 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
 
+from tandem.common.checkpoint_files import (
+    SAFETENSORS_INDEX,
+    open_safetensors,
+    read_json,
+    safetensors_files,
+)
 from tandem.engine.quantization.linear import AllReducedLinear, QuantizedLinear
 from tandem.engine.quantization.scheme import (
     QuantizationConfig,
@@ -42,7 +47,7 @@ PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "
 def stored_quantization(model_dir: str | Path) -> QuantizationConfig | None:
     """The ``quantization_config`` of a checkpoint, or ``None`` for a float one."""
     path = Path(model_dir) / "config.json"
-    entry = json.loads(path.read_text()).get("quantization_config")
+    entry = read_json(path).get("quantization_config")
     if entry is None:
         return None
     if not isinstance(entry, dict):
@@ -62,23 +67,25 @@ def _quantized_name(name: str, config: QuantizationConfig) -> bool:
 
 def quantize_checkpoint(source: str | Path, dest: str | Path, config: QuantizationConfig) -> int:
     """Writes ``source`` quantized into ``dest`` (created; its safetensors files are
-    replaced); returns how many weights were quantized. ``source`` must be float."""
+    replaced); returns how many weights were quantized. ``source`` must be float. Its
+    weight files are the loader's (``safetensors_files``); each is written quantized
+    under its own name, with a new index when the source has one."""
     source, dest = Path(source), Path(dest)
     if stored_quantization(source) is not None:
         raise ValueError(f"{source} is already quantized")
-    files = sorted(source.glob("*.safetensors"))
-    if not files:
-        raise ValueError(f"model directory {source} has no *.safetensors files")
+    files = safetensors_files(source)
     if dest.exists() and dest.resolve() == source.resolve():
         raise ValueError(f"the output directory is the source {source}: give another one")
     dest.mkdir(parents=True, exist_ok=True)
-    for old in dest.glob("*.safetensors"):
-        old.unlink()
-    model_config = json.loads((source / "config.json").read_text())
+    for old in (*dest.glob("*.safetensors"), dest / SAFETENSORS_INDEX):
+        old.unlink(missing_ok=True)
+    model_config = read_json(source / "config.json")
     count = 0
+    weight_map: dict[str, str] = {}
+    total_size = 0
     for path in files:
         out: dict[str, torch.Tensor] = {}
-        with safe_open(str(path), framework="pt", device="cpu") as f:
+        with open_safetensors(path) as f:
             for name in f.keys():  # noqa: SIM118 - safe_open is not a mapping
                 tensor = f.get_tensor(name)
                 if _quantized_name(name, config):
@@ -93,6 +100,14 @@ def quantize_checkpoint(source: str | Path, dest: str | Path, config: Quantizati
                     out.update(_quantized_tensors("lm_head", tensor, config))
                     count += 1
         save_file(out, str(dest / path.name), metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(out, path.name))
+        total_size += sum(t.numel() * t.element_size() for t in out.values())
+    if (source / SAFETENSORS_INDEX).exists():
+        index = {
+            "metadata": {"total_size": total_size},
+            "weight_map": dict(sorted(weight_map.items())),
+        }
+        (dest / SAFETENSORS_INDEX).write_text(json.dumps(index, indent=2) + "\n")
     for extra in source.iterdir():
         skip = extra.suffix == ".safetensors" or extra.name.endswith(".safetensors.index.json")
         if extra.is_file() and not skip and extra.name != "config.json":

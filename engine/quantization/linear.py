@@ -34,8 +34,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tandem.common.model_config import Activation
 from tandem.engine.layers.attention import SelfAttention
-from tandem.engine.layers.mlp import GatedMLP
+from tandem.engine.layers.mlp import GatedMLP, activate
 from tandem.engine.layers.native_ops import FusedOps
 from tandem.engine.native_build import select_isa
 from tandem.engine.parallel.group import TensorParallelGroup
@@ -218,22 +219,23 @@ class AllReducedLinear(nn.Module):
 
 
 class QuantizedGatedMLP(nn.Module):
-    """``down(silu(gate(x)) * up(x))`` over quantized projections. Not a ``GatedMLP``, so
+    """``down(act(gate(x)) * up(x))`` over quantized projections. Not a ``GatedMLP``, so
     oneDNN packing (``layers.linear.pack_linear_layers``) leaves it alone."""
 
     def __init__(self, mlp: GatedMLP, quantize: _Quantizer) -> None:
         super().__init__()
         self.intermediate_size = size = mlp.intermediate_size
+        self.activation = mlp.activation
         self.gate_up_proj = quantize(mlp.gate_up_proj, (size, size))
         self.down_proj = quantize(mlp.down_proj, (mlp.down_proj.out_features,))
         self.native: FusedOps | None = None  # the fused SiLU-and-product (use_native_ops)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
-        if self.native is not None:
+        if self.native is not None and self.activation is Activation.SILU:
             return self.down_proj(self.native.silu_mul(gate_up))
         gate, up = gate_up.split(self.intermediate_size, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(activate(gate, self.activation) * up)
 
 
 class _Quantizer:

@@ -3,7 +3,9 @@
 The text goes to stdout as it arrives; a one-line usage summary (token counts, time to
 first token, decode rate) goes to stderr at the end, so ``> out.txt`` keeps only the
 completion. Only the sampling flags given are sent; the rest take the server's
-defaults. A gRPC failure prints ``error: <CODE>: <details>`` and exits with status 1.
+defaults (the model's ``generation_config.json`` values, unless the router runs with
+``--generation-config vllm``). A gRPC failure prints ``error: <CODE>: <details>`` and
+exits with status 1.
 """
 
 from __future__ import annotations
@@ -38,14 +40,28 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "--model", default="", help="model name to check against the served one (default: any)"
     )
     p.add_argument(
-        "--max-tokens", type=int, metavar="N", help="most tokens to generate (default: 16)"
+        "--max-tokens",
+        type=int,
+        metavar="N",
+        help="most tokens to generate (default: the model's, else 16)",
     )
-    p.add_argument("--temperature", type=float, metavar="T", help="0 means greedy (default: 1.0)")
     p.add_argument(
-        "--top-p", type=float, metavar="P", help="nucleus sampling: keep mass P (default: 1.0)"
+        "--temperature",
+        type=float,
+        metavar="T",
+        help="0 means greedy (default: the model's, else 1.0)",
     )
     p.add_argument(
-        "--top-k", type=int, metavar="K", help="sample among the K likeliest (default: all)"
+        "--top-p",
+        type=float,
+        metavar="P",
+        help="nucleus sampling: keep mass P (default: the model's, else 1.0)",
+    )
+    p.add_argument(
+        "--top-k",
+        type=int,
+        metavar="K",
+        help="sample among the K likeliest (default: the model's, else all)",
     )
     p.add_argument(
         "--seed", type=int, metavar="N", help="seed for reproducible sampling (default: none)"

@@ -23,7 +23,7 @@ from tandem.cli.options import add_command
 if TYPE_CHECKING:
     from tandem.tools.checkpoint_maker import CheckpointSpec
 
-ARCHS = ("llama", "qwen2", "mistral")
+ARCHS = ("llama", "qwen2", "mistral", "qwen3", "phi3", "gemma2", "gemma3", "mixtral", "qwen3_moe")
 SIZES = ("tiny", "small", "medium", "trained-target", "trained-draft")
 DTYPES = ("float32", "bfloat16", "float16")
 ROPE_SCALINGS = ("none", "linear", "llama3")
@@ -61,7 +61,16 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--vocab-size", type=int, default=4096, help="tokenizer vocabulary size")
     p.add_argument("--kv-heads", type=int, default=None, help="override the preset's KV heads")
     p.add_argument(
-        "--sliding-window", type=int, default=None, help="override the window (mistral only)"
+        "--intermediate-size",
+        type=int,
+        default=None,
+        help="override the preset's MLP width (a mixture of experts: each expert's)",
+    )
+    p.add_argument(
+        "--sliding-window",
+        type=int,
+        default=None,
+        help="override the window (mistral, phi3, gemma2, gemma3)",
     )
     _add_training_arguments(p)
     p.set_defaults(run=run)
@@ -178,4 +187,5 @@ def _spec_fields(args: argparse.Namespace, size: str) -> dict[str, object]:
         "vocab_size": args.vocab_size,
         "kv_heads": args.kv_heads,
         "sliding_window": args.sliding_window,
+        "intermediate_size": args.intermediate_size,
     }

@@ -55,7 +55,17 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     router.add_argument(
         "--max-model-len",
         type=positive_int,
-        help="longest prompt + output accepted (default: the checkpoint's context)",
+        help="longest prompt + output accepted (default: the checkpoint's context); the "
+        "smallest max_model_len the live workers report lowers it",
+    )
+    router.add_argument(
+        "--generation-config",
+        default="auto",
+        metavar="{auto,vllm,DIR}",
+        help="sampling defaults for what a request leaves unset: auto (the default) takes "
+        "temperature, top_p, top_k, min_p, repetition_penalty and max_new_tokens from the "
+        "checkpoint's generation_config.json, as vLLM does; vllm ignores the file "
+        "(temperature 1, 16 tokens, ...); DIR reads DIR/generation_config.json",
     )
     router.add_argument(
         "--stall-timeout",
@@ -257,6 +267,7 @@ def router_options(args: argparse.Namespace) -> RouterOptions:
         disaggregation_min_tokens=args.disaggregation_min_tokens,
         max_pending_requests=args.max_pending_requests,
         max_model_len=args.max_model_len,
+        generation_config=args.generation_config,
         metrics_port=args.metrics_port,
         readiness=readiness,
         stall=stall,

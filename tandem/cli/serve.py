@@ -64,6 +64,13 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     )
     serve.add_argument("--host", default="127.0.0.1", help="address every process listens on")
     serve.add_argument(
+        "--generation-config",
+        metavar="{auto,vllm,DIR}",
+        help="the router's sampling defaults for what a request leaves unset (default: "
+        "auto, the checkpoint's generation_config.json; vllm: Tandem's own; see tandem "
+        "router --help)",
+    )
+    serve.add_argument(
         "--redis-url",
         default=os.environ.get("TANDEM_REDIS_URL"),
         help="an existing Redis; a password stays off the command line in $TANDEM_REDIS_URL "
@@ -154,6 +161,7 @@ def _run(args: argparse.Namespace) -> int:
     if on_ray and args.log_dir is not None:
         args.parser.error("--log-dir: on Ray each component logs to Ray's log folder (`ray logs`)")
     model = args.model or str(default_model())
+    generation_config = args.generation_config
     spec = ClusterSpec(
         model_dir=model,
         num_prefill=args.prefill_workers,
@@ -173,6 +181,7 @@ def _run(args: argparse.Namespace) -> int:
         decode_args=(*_speculative_args(args), *args.decode_worker_arg),
         router_args=(
             *(() if args.http_port is None else ("--http-port", str(args.http_port))),
+            *(() if generation_config is None else ("--generation-config", generation_config)),
             *args.router_arg,
         ),
         log_dir=args.log_dir,
@@ -279,16 +288,24 @@ def _planner(cluster: Cluster, config, interval_s: float) -> Iterator[None]:
 
 
 def check_flags(spec: ClusterSpec) -> None:
-    """Parse every component's flags as it will, and check each worker role's engine
-    settings against the checkpoint, before anything starts: a bad flag exits 2 with
-    that component's usage, a setting that cannot work raises ``ValueError`` naming it."""
+    """Parse every component's flags as it will, and check the router's and each worker
+    role's settings against the checkpoint, before anything starts: a bad flag exits 2
+    with that component's usage, a setting or checkpoint file that cannot work raises
+    ``ValueError`` naming it."""
     from tandem.cli.main import parse
     from tandem.cli.worker import check_speculation, engine_settings
     from tandem.engine.config import EngineConfig
     from tandem.engine.llm_engine import check_config
+    from tandem.router.validation import RequestValidator
 
     common = ("--model", spec.model_dir, "--redis-url", "redis://unused")
-    parse(["router", *common, *spec.router_args])
+    router = parse(["router", *common, *spec.router_args])
+    try:  # the checkpoint's config, tokenizer and generation config, as the router reads them
+        RequestValidator.from_dir(
+            spec.model_dir, "check", router.max_model_len, router.generation_config
+        )
+    except ValueError as err:
+        raise ValueError(f"router: {err}") from None
     roles = {"prefill": spec.prefill_args, "decode": spec.decode_args}
     for role, role_args in roles.items():
         if role == "prefill" and not spec.num_prefill:

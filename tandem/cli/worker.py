@@ -79,7 +79,8 @@ ENGINE_FLAGS: tuple[EngineFlag, ...] = (
     EngineFlag(
         "max-model-len",
         positive_int,
-        "longest prompt + output (default: the checkpoint's max_position_embeddings)",
+        "longest prompt + output (default: the checkpoint's max_position_embeddings, or "
+        "the most the KV pool holds when that is less and --num-kv-blocks is not given)",
     ),
     EngineFlag(
         "attention-backend",
@@ -132,6 +133,14 @@ ENGINE_FLAGS: tuple[EngineFlag, ...] = (
         positive_int,
         "ranks the model is split over; the worker starts ranks 1..N-1 itself, as local "
         "processes or, under Ray, as actors in its placement group (default: 1)",
+    ),
+    EngineFlag(
+        "enable-expert-parallel",
+        boolean,
+        "mixture-of-experts models under tensor parallelism: each rank holds whole experts "
+        "(num_experts / tensor-parallel-size of them) instead of a slice of every expert "
+        "(default: False)",
+        metavar="{true,false}",
     ),
 )
 SPECULATIVE_FLAGS: tuple[EngineFlag, ...] = (
@@ -212,12 +221,14 @@ def _add_worker(subparsers: argparse._SubParsersAction, role: str) -> argparse.A
     speculative = worker.add_argument_group("speculative decoding")
     for spec in ROLE_ENGINE_FLAGS[role]:
         group = speculative if spec in SPECULATIVE_FLAGS else engine
+        switch = {"nargs": "?", "const": True} if spec.type is boolean else {}
         group.add_argument(
             f"--{spec.flag}",
             type=spec.type,
             choices=spec.choices,
             metavar=spec.metavar,
             help=spec.help,
+            **switch,  # a bare --flag means true, as in vLLM
         )
     worker.set_defaults(run=run, role=role)
     return worker

@@ -9,16 +9,34 @@ model. Both config spellings found in the wild are accepted: ``rope_theta`` +
 from __future__ import annotations
 
 import enum
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from tandem.common.checkpoint_files import read_json
 
 
 class Architecture(enum.Enum):
     LLAMA = "LlamaForCausalLM"
     QWEN2 = "Qwen2ForCausalLM"
     MISTRAL = "MistralForCausalLM"
+    QWEN3 = "Qwen3ForCausalLM"
+    PHI3 = "Phi3ForCausalLM"
+    GEMMA2 = "Gemma2ForCausalLM"
+    GEMMA3 = "Gemma3ForCausalLM"
+    MIXTRAL = "MixtralForCausalLM"
+    QWEN3_MOE = "Qwen3MoeForCausalLM"
+
+
+GEMMA_ARCHS = frozenset({Architecture.GEMMA2, Architecture.GEMMA3})
+QK_NORM_ARCHS = frozenset({Architecture.QWEN3, Architecture.QWEN3_MOE, Architecture.GEMMA3})
+
+
+class Activation(enum.Enum):
+    """The gate's activation in a gated MLP (``hidden_act`` / ``hidden_activation``)."""
+
+    SILU = "silu"
+    GELU_TANH = "gelu_pytorch_tanh"
 
 
 class RopeScaling(enum.Enum):
@@ -35,6 +53,24 @@ class RopeConfig:
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
+
+
+@dataclass(frozen=True)
+class MoEConfig:
+    """A mixture-of-experts MLP: ``top_k`` of ``num_experts`` gated MLPs per token."""
+
+    num_experts: int
+    top_k: int
+    intermediate_size: int
+    """Of one expert (a dense layer keeps ``ModelConfig.intermediate_size``)."""
+    renormalize: bool
+    """Scale the chosen experts' softmax weights to sum to one (Mixtral; Qwen3-MoE's
+    ``norm_topk_prob``)."""
+    weights_in_model_dtype: bool
+    """Round the routing weights to the model dtype before the experts' outputs are
+    scaled (Qwen3-MoE) rather than scaling in float32 (Mixtral)."""
+    sparse_layers: tuple[bool, ...]
+    """Per layer: a mixture of experts (``True``) or a dense MLP."""
 
 
 @dataclass(frozen=True)
@@ -59,10 +95,34 @@ class ModelConfig:
     dtype: str
     bos_token_id: int | None
     eos_token_ids: frozenset[int]
+    hidden_act: Activation = Activation.SILU
+    qk_norm: bool = False
+    """An RMSNorm over each head of q and k before the rotation (Qwen3, Gemma 3)."""
+    rotary_dim: int | None = None
+    """Leading dims of each head that are rotated (``partial_rotary_factor``); ``None``:
+    all of ``head_dim``."""
+    local_rope: RopeConfig | None = None
+    """Rotation of the sliding-window layers when it differs from ``rope`` (Gemma 3)."""
+    query_pre_attn_scalar: float | None = None
+    """Scores are scaled by ``query_pre_attn_scalar ** -0.5`` (Gemma); ``None``:
+    ``head_dim ** -0.5``."""
+    attn_logit_softcap: float | None = None
+    """Scores become ``cap * tanh(scores / cap)`` before the softmax (Gemma 2)."""
+    final_logit_softcap: float | None = None
+    """Logits become ``cap * tanh(logits / cap)`` (Gemma 2)."""
+    moe: MoEConfig | None = None
 
     @property
     def q_size(self) -> int:
         return self.num_heads * self.head_dim
+
+    @property
+    def attention_scale(self) -> float:
+        return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
+
+    @property
+    def rotated_dims(self) -> int:
+        return self.head_dim if self.rotary_dim is None else self.rotary_dim
 
     @property
     def kv_size(self) -> int:
@@ -70,39 +130,52 @@ class ModelConfig:
 
     @classmethod
     def from_dir(cls, model_dir: str | Path) -> ModelConfig:
-        path = Path(model_dir) / "config.json"
-        if not path.is_file():
-            raise ValueError(f"model directory {model_dir!s} has no config.json")
-        return cls.from_dict(json.loads(path.read_text()))
+        """``ValueError`` naming ``config.json`` when it is missing or not a JSON object."""
+        return cls.from_dict(read_json(Path(model_dir) / "config.json"))
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> ModelConfig:
         arch = _architecture(raw)
-        num_heads = _require(raw, "num_attention_heads")
-        hidden = _require(raw, "hidden_size")
-        num_layers = _require(raw, "num_hidden_layers")
-        if raw.get("hidden_act", "silu") != "silu":
-            raise ValueError(f"hidden_act {raw['hidden_act']!r} is not supported (only 'silu')")
+        num_heads = _positive(raw, "num_attention_heads")
+        hidden = _positive(raw, "hidden_size")
+        num_layers = _positive(raw, "num_hidden_layers")
+        head_dim = raw.get("head_dim") or hidden // num_heads
         eos = raw.get("eos_token_id")
+        gemma = arch in GEMMA_ARCHS
         return cls(
             architecture=arch,
-            vocab_size=_require(raw, "vocab_size"),
+            vocab_size=_positive(raw, "vocab_size"),
             hidden_size=hidden,
-            intermediate_size=_require(raw, "intermediate_size"),
+            intermediate_size=_positive(raw, "intermediate_size"),
             num_layers=num_layers,
             num_heads=num_heads,
             num_kv_heads=raw.get("num_key_value_heads") or num_heads,
-            head_dim=raw.get("head_dim") or hidden // num_heads,
+            head_dim=head_dim,
             rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
             max_position_embeddings=int(raw.get("max_position_embeddings", 2048)),
-            rope=_rope(raw),
-            tie_word_embeddings=bool(raw.get("tie_word_embeddings", arch is Architecture.QWEN2)),
+            rope=_rope(
+                raw,
+                _rope_params(raw, arch, "full_attention"),
+                1_000_000.0 if arch is Architecture.GEMMA3 else 10_000.0,
+            ),
+            tie_word_embeddings=bool(raw.get("tie_word_embeddings", arch in _TIED_BY_DEFAULT)),
             qkv_bias=arch is Architecture.QWEN2 or bool(raw.get("attention_bias", False)),
             sliding_windows=_sliding_windows(raw, arch, num_layers),
             dtype=str(raw.get("dtype") or raw.get("torch_dtype") or "float32"),
             bos_token_id=raw.get("bos_token_id"),
             eos_token_ids=frozenset(eos if isinstance(eos, list) else [] if eos is None else [eos]),
+            hidden_act=_activation(raw, gemma),
+            qk_norm=arch in QK_NORM_ARCHS,
+            rotary_dim=_rotary_dim(raw, arch, head_dim),
+            local_rope=_local_rope(raw, arch),
+            query_pre_attn_scalar=_optional_float(raw, "query_pre_attn_scalar") if gemma else None,
+            attn_logit_softcap=_optional_float(raw, "attn_logit_softcapping") if gemma else None,
+            final_logit_softcap=_optional_float(raw, "final_logit_softcapping") if gemma else None,
+            moe=_moe(raw, arch, num_layers),
         )
+
+
+_TIED_BY_DEFAULT = frozenset({Architecture.QWEN2, *GEMMA_ARCHS})
 
 
 def _architecture(raw: dict[str, Any]) -> Architecture:
@@ -124,20 +197,36 @@ def _require(raw: dict[str, Any], key: str) -> Any:
     return raw[key]
 
 
-def _rope(raw: dict[str, Any]) -> RopeConfig:
+def _rope_params(raw: dict[str, Any], arch: Architecture, layer_type: str) -> dict[str, Any]:
+    """The rope parameters of one layer type: ``rope_parameters`` (transformers 5; keyed
+    by layer type for Gemma 3) or the legacy ``rope_scaling``."""
     params = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
-    theta = float(params.get("rope_theta", raw.get("rope_theta", 10000.0)))
+    if not isinstance(params, dict):
+        raise ValueError(f"config.json field 'rope_parameters' must be an object, got {params!r}")
+    keyed = "full_attention" in params or "sliding_attention" in params
+    if keyed:
+        return params.get(layer_type) or {}
+    return params if layer_type == "full_attention" else {}
+
+
+def _rope(
+    raw: dict[str, Any], params: dict[str, Any], default_theta: float = 10000.0
+) -> RopeConfig:
+    theta = float(params.get("rope_theta", raw.get("rope_theta", default_theta)))
     kind = params.get("rope_type", params.get("type", "default"))
     try:
         scaling = RopeScaling(kind)
     except ValueError:
-        raise ValueError(f"rope scaling type {kind!r} is not supported") from None
+        supported = ", ".join(repr(r.value) for r in RopeScaling)
+        raise ValueError(
+            f"config.json rope type {kind!r} is not supported (supported: {supported})"
+        ) from None
     if scaling is RopeScaling.NONE:
         return RopeConfig(theta=theta)
     return RopeConfig(
         theta=theta,
         scaling=scaling,
-        factor=float(params["factor"]),
+        factor=float(_require(params, "factor")),
         low_freq_factor=float(params.get("low_freq_factor", 1.0)),
         high_freq_factor=float(params.get("high_freq_factor", 4.0)),
         original_max_position_embeddings=int(
@@ -153,9 +242,89 @@ def _sliding_windows(
     layer_types = raw.get("layer_types")
     if layer_types is not None:
         return tuple(window if t == "sliding_attention" else None for t in layer_types)
-    if arch is Architecture.MISTRAL:
+    if arch in (Architecture.MISTRAL, Architecture.PHI3, Architecture.MIXTRAL):
         return (window,) * num_layers
-    if arch is Architecture.QWEN2 and raw.get("use_sliding_window") and window:
+    if arch is Architecture.GEMMA2:  # even layers local, odd layers global
+        return tuple(window if i % 2 == 0 else None for i in range(num_layers))
+    if arch is Architecture.GEMMA3:  # every `pattern`-th layer global
+        pattern = int(raw.get("sliding_window_pattern", 6))
+        return tuple(window if (i + 1) % pattern else None for i in range(num_layers))
+    qwen = (Architecture.QWEN2, Architecture.QWEN3, Architecture.QWEN3_MOE)
+    if arch in qwen and raw.get("use_sliding_window") and window:
         first = int(raw.get("max_window_layers", num_layers))
         return tuple(window if i >= first else None for i in range(num_layers))
     return (None,) * num_layers
+
+
+def _positive(raw: dict[str, Any], key: str) -> int:
+    value = _require(raw, key)
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"config.json field {key!r} must be a positive integer, got {value!r}")
+    return value
+
+
+def _optional_float(raw: dict[str, Any], key: str) -> float | None:
+    value = raw.get(key)
+    return None if value is None else float(value)
+
+
+def _activation(raw: dict[str, Any], gemma: bool) -> Activation:
+    # Gemma's MLP reads `hidden_activation`; its `hidden_act` is a leftover of Gemma 1.
+    key = "hidden_activation" if gemma and "hidden_activation" in raw else "hidden_act"
+    name = raw.get(key, "gelu_pytorch_tanh" if gemma else "silu")
+    try:
+        return Activation(name)
+    except ValueError:
+        supported = ", ".join(repr(a.value) for a in Activation)
+        raise ValueError(
+            f"config.json field {key!r} = {name!r} is not supported (supported: {supported})"
+        ) from None
+
+
+def _rotary_dim(raw: dict[str, Any], arch: Architecture, head_dim: int) -> int | None:
+    params = raw.get("rope_parameters") if isinstance(raw.get("rope_parameters"), dict) else {}
+    factor = float(params.get("partial_rotary_factor", raw.get("partial_rotary_factor", 1.0)))
+    if not 0.0 < factor <= 1.0:
+        raise ValueError(
+            f"config.json field 'partial_rotary_factor' must be in (0, 1], got {factor}"
+        )
+    dims = int(head_dim * factor)
+    if dims % 2:
+        raise ValueError(
+            f"config.json field 'partial_rotary_factor' ({factor}) gives {dims} rotated dims "
+            f"of head_dim {head_dim}; they must be even"
+        )
+    return None if dims == head_dim else dims
+
+
+def _local_rope(raw: dict[str, Any], arch: Architecture) -> RopeConfig | None:
+    if arch is not Architecture.GEMMA3:
+        return None
+    params = _rope_params(raw, arch, "sliding_attention")
+    if not params:  # legacy spelling: only a base, no scaling
+        params = {"rope_theta": raw.get("rope_local_base_freq", 10000.0)}
+    return _rope({}, params, default_theta=10000.0)
+
+
+def _moe(raw: dict[str, Any], arch: Architecture, num_layers: int) -> MoEConfig | None:
+    if arch is Architecture.MIXTRAL:
+        num_experts = _positive(raw, "num_local_experts")
+        sparse = (True,) * num_layers
+        inner = _positive(raw, "intermediate_size")
+        renormalize, in_model_dtype = True, False
+    elif arch is Architecture.QWEN3_MOE:
+        num_experts = _positive(raw, "num_experts")
+        step = _positive(raw, "decoder_sparse_step") if "decoder_sparse_step" in raw else 1
+        dense = set(raw.get("mlp_only_layers") or [])
+        sparse = tuple(i not in dense and (i + 1) % step == 0 for i in range(num_layers))
+        inner = _positive(raw, "moe_intermediate_size")
+        renormalize, in_model_dtype = bool(raw.get("norm_topk_prob", False)), True
+    else:
+        return None
+    top_k = _positive(raw, "num_experts_per_tok")
+    if top_k > num_experts:
+        raise ValueError(
+            f"config.json field 'num_experts_per_tok' ({top_k}) exceeds the number of "
+            f"experts ({num_experts})"
+        )
+    return MoEConfig(num_experts, top_k, inner, renormalize, in_model_dtype, sparse)

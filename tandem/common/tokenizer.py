@@ -24,6 +24,8 @@ import jinja2.ext
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as HFTokenizer
 
+from tandem.common.checkpoint_files import read_json
+
 ChatMessages = Sequence[Mapping[str, str]] | Sequence[tuple[str, str]]
 _SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "pad_token", "unk_token")
 
@@ -61,17 +63,19 @@ class Tokenizer:
 
     @classmethod
     def from_dir(cls, model_dir: str | os.PathLike[str]) -> Tokenizer:
-        """Load from a HF checkpoint directory; only ``tokenizer.json`` is required."""
+        """Load from a HF checkpoint directory; only ``tokenizer.json`` is required. A
+        missing ``tokenizer.json``, or any of the files that does not parse, is a
+        ``ValueError`` naming the file."""
         root = Path(model_dir)
-        backend = HFTokenizer.from_file(str(root / "tokenizer.json"))
-        tok_config = _read_json(root / "tokenizer_config.json")
+        backend = _backend(root / "tokenizer.json")
+        tok_config = read_json(root / "tokenizer_config.json", required=False)
         special = {k: v for k in _SPECIAL_TOKEN_KEYS if (v := _token_text(tok_config.get(k)))}
         bos_id = _token_id(backend, special.get("bos_token"))
         if bos_id is None:
-            bos_id = _first_id(_read_json(root / "config.json").get("bos_token_id"))
+            bos_id = _first_id(read_json(root / "config.json", required=False).get("bos_token_id"))
         eos_ids = _as_ids(_token_id(backend, special.get("eos_token")))
         for name in ("config.json", "generation_config.json"):
-            eos_ids |= _as_ids(_read_json(root / name).get("eos_token_id"))
+            eos_ids |= _as_ids(read_json(root / name, required=False).get("eos_token_id"))
         template = _chat_template(root, tok_config)
         return cls(backend, special, bos_id, frozenset(eos_ids), template)
 
@@ -260,11 +264,13 @@ def _chat_template(root: Path, tok_config: Mapping[str, Any]) -> str | None:
     return template
 
 
-def _read_json(path: Path) -> dict[str, Any]:
-    if not path.exists():
-        return {}
-    with path.open(encoding="utf-8") as f:
-        return json.load(f)
+def _backend(path: Path) -> HFTokenizer:
+    if not path.is_file():
+        raise ValueError(f"model directory {path.parent} has no {path.name}")
+    try:
+        return HFTokenizer.from_file(str(path))
+    except Exception as err:  # tokenizers raises a bare Exception for a file it cannot read
+        raise ValueError(f"{path} is not a tokenizers file: {err}") from None
 
 
 def _token_text(value: str | Mapping[str, Any] | None) -> str | None:

@@ -1,7 +1,9 @@
 """Conversions between the wire types in ``protos/`` and Tandem's own types.
 
 Torch-free; used by the router and both workers, so a field means the same thing at
-every hop. Proto3 optional fields that are unset take ``SamplingParams``' defaults.
+every hop. Proto3 optional fields that are unset take the model's defaults where the
+caller passes them (the router: ``tandem.common.generation_config``), else
+``SamplingParams``' own.
 """
 
 from __future__ import annotations
@@ -9,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Protocol
 
+from tandem.common.generation_config import SamplingDefaults
 from tandem.common.sampling_params import (
     SamplingParams,
     SpecMethod,
@@ -23,6 +26,7 @@ _OPTIONAL_FIELDS = (
     "temperature",
     "top_k",
     "top_p",
+    "min_p",
     "repetition_penalty",
     "seed",
     "logprobs",
@@ -30,7 +34,6 @@ _OPTIONAL_FIELDS = (
 )
 _PLAIN_FIELDS = (
     "min_tokens",
-    "min_p",
     "presence_penalty",
     "frequency_penalty",
     "ignore_eos",
@@ -54,9 +57,15 @@ _METHOD_FROM_PROTO = {
 _METHOD_TO_PROTO = {v: k for k, v in _METHOD_FROM_PROTO.items()}
 
 
-def sampling_from_proto(msg: common_pb2.SamplingParams) -> SamplingParams:
-    """Raises ``ValueError`` (message starts with the field name) for invalid values."""
+def sampling_from_proto(
+    msg: common_pb2.SamplingParams, defaults: SamplingDefaults | None = None
+) -> SamplingParams:
+    """``defaults``: values for the optional fields ``msg`` leaves unset (``None``:
+    ``SamplingParams``' own). Raises ``ValueError`` (message starts with the field name)
+    for invalid values."""
     kwargs: dict[str, object] = {f: getattr(msg, f) for f in _PLAIN_FIELDS}
+    if defaults is not None:
+        kwargs.update(defaults.given())
     kwargs.update({f: getattr(msg, f) for f in _OPTIONAL_FIELDS if msg.HasField(f)})
     return SamplingParams(
         stop=tuple(msg.stop),

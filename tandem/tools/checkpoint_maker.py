@@ -61,6 +61,17 @@ BIAS_STD = 0.1
 NORM_JITTER = 0.25
 MAX_POSITION_EMBEDDINGS = 2048
 ROPE_SCALING_FACTOR = 2.0
+PHI3_PARTIAL_ROTARY = 0.75
+GEMMA_QUERY_SCALAR_OFFSET = 8  # query_pre_attn_scalar != head_dim, so the scale is read
+GEMMA2_ATTN_SOFTCAP = 8.0  # low enough that capping changes scores of std ~2-3
+GEMMA2_FINAL_SOFTCAP = 30.0
+GEMMA_EMBED_STD = 0.1  # of the embedding after its sqrt(d) scaling (tied: see docstring)
+GEMMA_FINAL_NORM = 40.0  # logits of std ~4 through the small tied embedding
+GEMMA3_PATTERN = 2  # every 2nd layer global, so a 4-layer model has both kinds
+GEMMA3_LOCAL_THETA = 10_000.0
+MOE_TOP_K = 2
+QWEN3_MOE_DENSE_LAYERS = (1,)  # mlp_only_layers: one dense layer among the sparse ones
+ROUTER_STD_GAIN = 2.0
 LLAMA3_ORIGINAL_MAX_POSITIONS = 1024  # below MAX_POSITION_EMBEDDINGS, so scaling matters
 
 
@@ -91,6 +102,21 @@ PRESETS: dict[str, SizePreset] = {
 }
 
 
+class Family(enum.Enum):
+    """How a family lays out its layers' tensors (``_layer_weights``)."""
+
+    LLAMA = "llama"
+    PHI3 = "phi3"  # fused qkv_proj and gate_up_proj tensors
+    GEMMA = "gemma"  # four norms per layer, stored as offsets from one
+
+
+class Experts(enum.Enum):
+    """How a mixture-of-experts checkpoint names its router and experts."""
+
+    MIXTRAL = "mixtral"  # block_sparse_moe.gate, experts.{e}.w1 / w3 / w2
+    QWEN3_MOE = "qwen3_moe"  # mlp.gate, experts.{e}.gate_proj / up_proj / down_proj
+
+
 @dataclass(frozen=True)
 class ArchSpec:
     """What distinguishes one HF architecture's checkpoint from another's."""
@@ -103,6 +129,11 @@ class ArchSpec:
     rope_theta: float
     rms_norm_eps: float
     extra_fields: Callable[[CheckpointSpec], dict[str, object]]  # arch-only config.json keys
+    family: Family = Family.LLAMA
+    qk_norm: bool = False
+    wide_heads: bool = False
+    """``head_dim`` 1.5x ``hidden_size / heads`` (Qwen3 and Gemma set it on its own)."""
+    experts: Experts | None = None
 
 
 def _llama_fields(spec: CheckpointSpec) -> dict[str, object]:
@@ -117,6 +148,66 @@ def _qwen2_fields(spec: CheckpointSpec) -> dict[str, object]:
 
 def _mistral_fields(spec: CheckpointSpec) -> dict[str, object]:
     return {"sliding_window": spec.window}
+
+
+def _qwen3_fields(spec: CheckpointSpec) -> dict[str, object]:
+    return _qwen2_fields(spec)
+
+
+def _phi3_fields(spec: CheckpointSpec) -> dict[str, object]:
+    return {
+        "sliding_window": spec.window,
+        "partial_rotary_factor": PHI3_PARTIAL_ROTARY,
+        "original_max_position_embeddings": MAX_POSITION_EMBEDDINGS,
+        "resid_pdrop": 0.0,
+        "embd_pdrop": 0.0,
+    }
+
+
+def _gemma_fields(spec: CheckpointSpec) -> dict[str, object]:
+    return {
+        "sliding_window": spec.window,
+        "hidden_activation": "gelu_pytorch_tanh",
+        "query_pre_attn_scalar": spec.head_dim + GEMMA_QUERY_SCALAR_OFFSET,
+        "attn_logit_softcapping": GEMMA2_ATTN_SOFTCAP if spec.arch == "gemma2" else None,
+        "final_logit_softcapping": GEMMA2_FINAL_SOFTCAP if spec.arch == "gemma2" else None,
+    }
+
+
+def _gemma3_fields(spec: CheckpointSpec) -> dict[str, object]:
+    fields = _gemma_fields(spec)
+    if spec.config_style is ConfigStyle.LEGACY:
+        fields["sliding_window_pattern"] = GEMMA3_PATTERN
+        fields["rope_local_base_freq"] = GEMMA3_LOCAL_THETA
+    else:
+        layers = range(spec.preset.num_layers)
+        fields["layer_types"] = [
+            "sliding_attention" if (i + 1) % GEMMA3_PATTERN else "full_attention" for i in layers
+        ]
+    return fields
+
+
+def _mixtral_fields(spec: CheckpointSpec) -> dict[str, object]:
+    return {
+        "sliding_window": None,
+        "num_local_experts": spec.num_experts,
+        "num_experts_per_tok": MOE_TOP_K,
+        "router_jitter_noise": 0.0,
+        "output_router_logits": False,
+    }
+
+
+def _qwen3_moe_fields(spec: CheckpointSpec) -> dict[str, object]:
+    return {
+        **_qwen2_fields(spec),
+        "num_experts": spec.num_experts,
+        "num_experts_per_tok": MOE_TOP_K,
+        "moe_intermediate_size": spec.expert_intermediate_size,
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": list(QWEN3_MOE_DENSE_LAYERS),
+        "norm_topk_prob": False,
+        "output_router_logits": False,
+    }
 
 
 ARCHS: dict[str, ArchSpec] = {
@@ -152,6 +243,83 @@ ARCHS: dict[str, ArchSpec] = {
     ),
 }
 
+ARCHS.update(
+    {
+        "qwen3": ArchSpec(
+            class_name="Qwen3ForCausalLM",
+            model_type="qwen3",
+            qkv_bias=False,
+            tie_word_embeddings=True,
+            has_sliding_window=False,
+            rope_theta=1_000_000.0,
+            rms_norm_eps=1e-6,
+            extra_fields=_qwen3_fields,
+            qk_norm=True,
+            wide_heads=True,
+        ),
+        "phi3": ArchSpec(
+            class_name="Phi3ForCausalLM",
+            model_type="phi3",
+            qkv_bias=False,
+            tie_word_embeddings=False,
+            has_sliding_window=True,
+            rope_theta=10_000.0,
+            rms_norm_eps=1e-5,
+            extra_fields=_phi3_fields,
+            family=Family.PHI3,
+        ),
+        "gemma2": ArchSpec(
+            class_name="Gemma2ForCausalLM",
+            model_type="gemma2",
+            qkv_bias=False,
+            tie_word_embeddings=True,
+            has_sliding_window=True,
+            rope_theta=10_000.0,
+            rms_norm_eps=1e-6,
+            extra_fields=_gemma_fields,
+            family=Family.GEMMA,
+            wide_heads=True,
+        ),
+        "gemma3": ArchSpec(
+            class_name="Gemma3ForCausalLM",
+            model_type="gemma3_text",
+            qkv_bias=False,
+            tie_word_embeddings=True,
+            has_sliding_window=True,
+            rope_theta=1_000_000.0,
+            rms_norm_eps=1e-6,
+            extra_fields=_gemma3_fields,
+            family=Family.GEMMA,
+            qk_norm=True,
+            wide_heads=True,
+        ),
+        "mixtral": ArchSpec(
+            class_name="MixtralForCausalLM",
+            model_type="mixtral",
+            qkv_bias=False,
+            tie_word_embeddings=False,
+            has_sliding_window=False,
+            rope_theta=1_000_000.0,
+            rms_norm_eps=1e-5,
+            extra_fields=_mixtral_fields,
+            experts=Experts.MIXTRAL,
+        ),
+        "qwen3_moe": ArchSpec(
+            class_name="Qwen3MoeForCausalLM",
+            model_type="qwen3_moe",
+            qkv_bias=False,
+            tie_word_embeddings=False,
+            has_sliding_window=False,
+            rope_theta=1_000_000.0,
+            rms_norm_eps=1e-6,
+            extra_fields=_qwen3_moe_fields,
+            qk_norm=True,
+            wide_heads=True,
+            experts=Experts.QWEN3_MOE,
+        ),
+    }
+)
+
 DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
     "bfloat16": torch.bfloat16,
@@ -182,6 +350,7 @@ class CheckpointSpec:
     config_style: ConfigStyle = ConfigStyle.LEGACY
     vocab_size: int = 4096
     kv_heads: int | None = None  # None: the preset's
+    intermediate_size: int | None = None  # None: the preset's (a MoE's experts follow it)
     sliding_window: int | None = None  # None: the preset's (sliding-window archs only)
 
     def __post_init__(self) -> None:
@@ -197,6 +366,10 @@ class CheckpointSpec:
         _require(
             self.kv_heads is None or (self.kv_heads >= 1 and heads % self.kv_heads == 0),
             f"kv_heads must divide num_heads={heads}, got {self.kv_heads}",
+        )
+        _require(
+            self.intermediate_size is None or self.intermediate_size >= 4,
+            f"intermediate_size must be >= 4, got {self.intermediate_size}",
         )
         _require(
             self.sliding_window is None or self.arch_spec.has_sliding_window,
@@ -216,12 +389,29 @@ class CheckpointSpec:
         return ARCHS[self.arch]
 
     @property
+    def intermediate(self) -> int:
+        inner = self.intermediate_size
+        return self.preset.intermediate_size if inner is None else inner
+
+    @property
     def num_kv_heads(self) -> int:
         return self.preset.num_kv_heads if self.kv_heads is None else self.kv_heads
 
     @property
     def head_dim(self) -> int:
-        return self.preset.hidden_size // self.preset.num_heads
+        base = self.preset.hidden_size // self.preset.num_heads
+        return base * 3 // 2 if self.arch_spec.wide_heads else base
+
+    @property
+    def num_experts(self) -> int:
+        """Mixtral 4 (every layer sparse), Qwen3-MoE 6 (3 per rank at TP 2)."""
+        return 4 if self.arch_spec.experts is Experts.MIXTRAL else 6
+
+    @property
+    def expert_intermediate_size(self) -> int:
+        """Mixtral's experts use ``intermediate_size``; Qwen3-MoE's are a quarter of it."""
+        inner = self.intermediate
+        return inner if self.arch_spec.experts is Experts.MIXTRAL else inner // 4
 
     @property
     def window(self) -> int | None:
@@ -242,10 +432,20 @@ def make_model(
     vocab_size: int = 4096,
     kv_heads: int | None = None,
     sliding_window: int | None = None,
+    intermediate_size: int | None = None,
 ) -> Path:
     """Write a random checkpoint to ``out_dir`` (created if needed); return its path."""
     spec = checkpoint_spec(
-        arch, size, seed, dtype, rope_scaling, config_style, vocab_size, kv_heads, sliding_window
+        arch,
+        size,
+        seed,
+        dtype,
+        rope_scaling,
+        config_style,
+        vocab_size,
+        kv_heads,
+        sliding_window,
+        intermediate_size,
     )
     return write_checkpoint(spec, Path(out_dir))
 
@@ -260,6 +460,7 @@ def checkpoint_spec(
     vocab_size: int = 4096,
     kv_heads: int | None = None,
     sliding_window: int | None = None,
+    intermediate_size: int | None = None,
 ) -> CheckpointSpec:
     """A validated ``CheckpointSpec`` from plain values (``ValueError`` names a bad one)."""
     return CheckpointSpec(
@@ -272,6 +473,7 @@ def checkpoint_spec(
         vocab_size=vocab_size,
         kv_heads=kv_heads,
         sliding_window=sliding_window,
+        intermediate_size=intermediate_size,
     )
 
 
@@ -299,12 +501,12 @@ def hf_config(spec: CheckpointSpec, ids: TokenIds) -> dict[str, object]:
         "model_type": arch.model_type,
         "vocab_size": spec.vocab_size,
         "hidden_size": preset.hidden_size,
-        "intermediate_size": preset.intermediate_size,
+        "intermediate_size": spec.intermediate,
         "num_hidden_layers": preset.num_layers,
         "num_attention_heads": preset.num_heads,
         "num_key_value_heads": spec.num_kv_heads,
         "head_dim": spec.head_dim,
-        "hidden_act": "silu",
+        "hidden_act": "gelu_pytorch_tanh" if arch.family is Family.GEMMA else "silu",
         "max_position_embeddings": MAX_POSITION_EMBEDDINGS,
         "rms_norm_eps": arch.rms_norm_eps,
         "initializer_range": 0.02,
@@ -350,22 +552,32 @@ def _rope_fields(spec: CheckpointSpec) -> dict[str, object]:
         scaling = None
     if spec.config_style is ConfigStyle.LEGACY:
         return {"rope_theta": theta, "rope_scaling": scaling}
-    parameters = scaling or {"rope_type": "default"}
-    return {"rope_parameters": {**parameters, "rope_theta": theta}}
+    parameters = {**(scaling or {"rope_type": "default"}), "rope_theta": theta}
+    if spec.arch == "gemma3":  # one set per layer type; the local layers never scale
+        local = {"rope_type": "default", "rope_theta": GEMMA3_LOCAL_THETA}
+        return {"rope_parameters": {"full_attention": parameters, "sliding_attention": local}}
+    return {"rope_parameters": parameters}
 
 
 def init_weights(spec: CheckpointSpec) -> dict[str, torch.Tensor]:
     """All tensors in float32 under their HF names (see the module docstring)."""
     d = spec.preset.hidden_size
     draw = _Drawer(spec.seed)
+    gemma = spec.arch_spec.family is Family.GEMMA
+    # Gemma scales its embedding by sqrt(d) on the way in (and ties it to the output).
+    embed_std = GEMMA_EMBED_STD / math.sqrt(d) if gemma else 1 / math.sqrt(d)
     weights = {
         "model.embed_tokens.weight": draw.with_std(
-            "model.embed_tokens.weight", (spec.vocab_size, d), 1 / math.sqrt(d)
+            "model.embed_tokens.weight", (spec.vocab_size, d), embed_std
         )
     }
     for i in range(spec.preset.num_layers):
-        weights.update(_layer_weights(spec, draw, f"model.layers.{i}."))
-    weights["model.norm.weight"] = LOGIT_SCALE * draw.norm_weight("model.norm.weight", d)
+        weights.update(_layer_weights(spec, draw, f"model.layers.{i}.", i))
+    if gemma:  # stored as an offset from one
+        final = GEMMA_FINAL_NORM * draw.norm_weight("model.norm.weight", d) - 1.0
+    else:
+        final = LOGIT_SCALE * draw.norm_weight("model.norm.weight", d)
+    weights["model.norm.weight"] = final
     if not spec.arch_spec.tie_word_embeddings:
         weights["lm_head.weight"] = draw.with_std(
             "lm_head.weight", (spec.vocab_size, d), 1 / math.sqrt(d)
@@ -373,8 +585,10 @@ def init_weights(spec: CheckpointSpec) -> dict[str, torch.Tensor]:
     return weights
 
 
-def _layer_weights(spec: CheckpointSpec, draw: _Drawer, prefix: str) -> dict[str, torch.Tensor]:
-    d, inner = spec.preset.hidden_size, spec.preset.intermediate_size
+def _layer_weights(
+    spec: CheckpointSpec, draw: _Drawer, prefix: str, index: int
+) -> dict[str, torch.Tensor]:
+    d, inner = spec.preset.hidden_size, spec.intermediate
     q_dim, kv_dim = spec.preset.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
     residual_std = BRANCH_GAIN / math.sqrt(spec.preset.num_layers)
     plan = {  # name: (shape, std)
@@ -382,10 +596,17 @@ def _layer_weights(spec: CheckpointSpec, draw: _Drawer, prefix: str) -> dict[str
         "self_attn.k_proj.weight": ((kv_dim, d), QK_GAIN / math.sqrt(d)),
         "self_attn.v_proj.weight": ((kv_dim, d), 1 / math.sqrt(d)),
         "self_attn.o_proj.weight": ((d, q_dim), residual_std / math.sqrt(q_dim)),
-        "mlp.gate_proj.weight": ((inner, d), 1 / math.sqrt(d)),
-        "mlp.up_proj.weight": ((inner, d), 1 / math.sqrt(d)),
-        "mlp.down_proj.weight": ((d, inner), residual_std / math.sqrt(inner)),
     }
+    experts = spec.arch_spec.experts
+    sparse = experts is not None and not (
+        experts is Experts.QWEN3_MOE and index in QWEN3_MOE_DENSE_LAYERS
+    )
+    if sparse:
+        plan.update(_expert_plan(spec, residual_std))
+    else:
+        plan["mlp.gate_proj.weight"] = ((inner, d), 1 / math.sqrt(d))
+        plan["mlp.up_proj.weight"] = ((inner, d), 1 / math.sqrt(d))
+        plan["mlp.down_proj.weight"] = ((d, inner), residual_std / math.sqrt(inner))
     if spec.arch_spec.qkv_bias:
         plan["self_attn.q_proj.bias"] = ((q_dim,), BIAS_STD)
         plan["self_attn.k_proj.bias"] = ((kv_dim,), BIAS_STD)
@@ -393,9 +614,51 @@ def _layer_weights(spec: CheckpointSpec, draw: _Drawer, prefix: str) -> dict[str
     weights = {
         prefix + n: draw.with_std(prefix + n, shape, std) for n, (shape, std) in plan.items()
     }
-    for norm in ("input_layernorm.weight", "post_attention_layernorm.weight"):
-        weights[prefix + norm] = draw.norm_weight(prefix + norm, d)
+    family = spec.arch_spec.family
+    norms = {"input_layernorm.weight": d, "post_attention_layernorm.weight": d}
+    if family is Family.GEMMA:
+        norms.update(
+            {"pre_feedforward_layernorm.weight": d, "post_feedforward_layernorm.weight": d}
+        )
+    if spec.arch_spec.qk_norm:
+        norms.update(
+            {"self_attn.q_norm.weight": spec.head_dim, "self_attn.k_norm.weight": spec.head_dim}
+        )
+    offset = 1.0 if family is Family.GEMMA else 0.0  # Gemma stores w for a scale of 1 + w
+    for norm, size in norms.items():
+        weights[prefix + norm] = draw.norm_weight(prefix + norm, size) - offset
+    if family is Family.PHI3:
+        _fuse(weights, prefix + "self_attn.", ("q_proj", "k_proj", "v_proj"), "qkv_proj")
+        _fuse(weights, prefix + "mlp.", ("gate_proj", "up_proj"), "gate_up_proj")
     return weights
+
+
+def _expert_plan(spec: CheckpointSpec, residual_std: float) -> dict[str, tuple]:
+    """Router and experts of one sparse layer, under the family's checkpoint names."""
+    d, inner = spec.preset.hidden_size, spec.expert_intermediate_size
+    mixtral = spec.arch_spec.experts is Experts.MIXTRAL
+    block = "block_sparse_moe" if mixtral else "mlp"
+    names = ("w1", "w3", "w2") if mixtral else ("gate_proj", "up_proj", "down_proj")
+    # Router logits of std ~2: routing is decisive, so near-ties at the top-k edge are rare.
+    plan: dict[str, tuple] = {
+        f"{block}.gate.weight": ((spec.num_experts, d), ROUTER_STD_GAIN / math.sqrt(d))
+    }
+    # top_k experts add up per token: each gets the branch budget of a dense MLP.
+    for e in range(spec.num_experts):
+        gate, up, down = (f"{block}.experts.{e}.{n}.weight" for n in names)
+        plan[gate] = ((inner, d), 1 / math.sqrt(d))
+        plan[up] = ((inner, d), 1 / math.sqrt(d))
+        plan[down] = ((d, inner), residual_std / math.sqrt(inner))
+    return plan
+
+
+def _fuse(
+    weights: dict[str, torch.Tensor], prefix: str, parts: tuple[str, ...], fused: str
+) -> None:
+    """Replace the ``prefix{part}.weight`` tensors by their rows stacked as one tensor,
+    ``prefix{fused}.weight``."""
+    tensors = [weights.pop(f"{prefix}{part}.weight") for part in parts]
+    weights[f"{prefix}{fused}.weight"] = torch.cat(tensors, dim=0)
 
 
 class _Drawer:

@@ -29,15 +29,20 @@ class WorkerRole(enum.Enum):
 
 @dataclass(frozen=True)
 class WorkerCapacity:
-    """A worker's fixed size: its KV cache and how many sequences it batches at most."""
+    """A worker's fixed size: its KV cache, how many sequences it batches at most, and
+    the longest prompt + output it takes (``max_model_len``, which the engine may have
+    fitted to its KV cache; ``None`` from a worker that predates the field). The router
+    checks prompts against the smallest ``max_model_len`` of the live workers."""
 
     num_kv_blocks: int
     block_size: int
     max_num_seqs: int
+    max_model_len: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("num_kv_blocks", "block_size", "max_num_seqs"):
             _check(getattr(self, name) >= 1, f"{name} must be >= 1")
+        _check(self.max_model_len is None or self.max_model_len >= 2, "max_model_len must be >= 2")
 
 
 @dataclass(frozen=True)
@@ -146,6 +151,7 @@ def _info_from_json(info: Mapping[str, object]) -> WorkerInfo:
             num_kv_blocks=_require(capacity, "num_kv_blocks", int),
             block_size=_require(capacity, "block_size", int),
             max_num_seqs=_require(capacity, "max_num_seqs", int),
+            max_model_len=_optional(capacity, "max_model_len", int),  # absent from older workers
         ),
     )
 
@@ -169,6 +175,11 @@ def _require(obj: Mapping[str, object], name: str, kind: type[_T] | tuple[type, 
     if isinstance(value, bool) or not isinstance(value, kind):
         raise ValueError(f"field {name!r} has the wrong type ({type(value).__name__})")
     return value  # type: ignore[return-value]
+
+
+def _optional(obj: Mapping[str, object], name: str, kind: type[_T]) -> _T | None:
+    """``obj[name]`` as ``_require`` checks it, or ``None`` when absent or null."""
+    return None if obj.get(name) is None else _require(obj, name, kind)
 
 
 def _check(ok: bool, message: str) -> None:
