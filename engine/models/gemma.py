@@ -102,18 +102,11 @@ class Gemma2ForCausalLM(LlamaForCausalLM):
     """Checkpoint names as in transformers (``model.layers.{i}.pre_feedforward_layernorm``
     ...); the output projection is the embedding."""
 
-    def __init__(self, config: ModelConfig, dtype: torch.dtype) -> None:
-        nn.Module.__init__(self)
-        self.config = config
-        self.model = GemmaStack(config, dtype)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-        if config.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
-        self.final_logit_softcap = config.final_logit_softcap
+    stack = GemmaStack
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = self.lm_head(hidden)
-        cap = self.final_logit_softcap
+        cap = self.config.final_logit_softcap
         if cap is None or logits is None:  # None: a tensor-parallel rank other than 0
             return logits
         return torch.tanh(logits / cap) * cap

@@ -125,10 +125,13 @@ class DecoderStack(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
+    stack: type[nn.Module] = DecoderStack
+    """The decoder under ``model`` (a family with other blocks names its own)."""
+
     def __init__(self, config: ModelConfig, dtype: torch.dtype) -> None:
         super().__init__()
         self.config = config
-        self.model = DecoderStack(config, dtype)
+        self.model = self.stack(config, dtype)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
