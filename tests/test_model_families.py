@@ -136,6 +136,37 @@ def test_grouped_experts_equal_one_product_per_expert(arch, make_checkpoint, pro
     assert _greedy(llm, prompts) == grouped == hf_greedy(model_dir, prompts, NUM_NEW)
 
 
+@pytest.mark.parametrize("backend", ["native", "onednn"])
+def test_packed_experts_match_at_tp1_and_with_expert_parallelism(
+    backend, make_checkpoint, prompts
+) -> None:
+    """With a packing linear backend the experts are packed as the dense layers are: on
+    the native GEMM's grouped kernel (one call per projection for all experts) or on
+    oneDNN (one fused call per expert with rows), at TP=1 and with each rank packing its
+    half of the experts; the router stays a plain product."""
+    from tandem.engine.layers.linear import LinearBackend, linear_backend_available
+    from tandem.engine.layers.native_gemm import native_gemm_supported
+
+    cpu = torch.device("cpu")
+    if not native_gemm_supported() or not linear_backend_available(
+        LinearBackend(backend), cpu, torch.float32
+    ):
+        pytest.skip(f"the native GEMM or the {backend} backend is unavailable here")
+    model_dir = make_checkpoint("qwen3_moe")
+    expected = hf_greedy(model_dir, prompts, NUM_NEW)
+    kwargs = {"dtype": "float32", "num_kv_blocks": 128, "linear_backend": backend}
+    llm = LLM(model_dir, **kwargs)
+    modules = list(llm.engine.runner.model.modules())
+    packed = moe.PackedExperts if backend == "native" else moe.OneDnnExperts
+    assert sum(isinstance(m, packed) for m in modules) == 3  # the sparse layers
+    assert all(type(m.gate) is moe.Router for m in modules if isinstance(m, moe.SparseMoE))
+    assert _greedy(llm, prompts) == expected
+    with LLM(
+        model_dir, tensor_parallel_size=2, num_threads=1, enable_expert_parallel=True, **kwargs
+    ) as tp:
+        assert _greedy(tp, prompts) == expected
+
+
 def _copy_without_weights(source: Path, dest: Path) -> Path:
     """``dest`` with every file of checkpoint ``source`` but its safetensors."""
     dest.mkdir()

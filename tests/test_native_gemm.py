@@ -158,3 +158,33 @@ def test_bad_inputs_are_refused_by_name(gemm) -> None:
         gemm.gated(torch.randn(2, 64), packed)
     with pytest.raises(ValueError, match="a weight from pack_gated goes to gated"):
         gemm.linear(torch.randn(2, 64), gemm.pack_gated(w, w))
+
+
+@pytest.mark.parametrize("counts", [[3, 0, 7, 1], [0, 0, 0, 200], [1], [13, 6, 0, 0, 5]], ids=str)
+def test_grouped_products_equal_each_experts_own_call(gemm, threads, counts) -> None:
+    """A mixture of experts' grouped call (``tandem_gemm_grouped_*``): each expert's rows
+    come out bitwise as that expert's own ``linear`` / ``gated`` call gives them, experts
+    without rows included, rows in place."""
+    k, n = 257, 33
+    g = torch.Generator().manual_seed(sum(counts))
+    weights = [torch.randn(n, k, generator=g) for _ in counts]
+    ups = [torch.randn(n, k, generator=g) for _ in counts]
+    x = torch.randn(sum(counts), k, generator=g)
+    offsets = torch.tensor([0, *counts]).cumsum(0)
+    plain = gemm.grouped(x, offsets, gemm.stack([gemm.pack(w) for w in weights]))
+    gated_stack = gemm.stack([gemm.pack_gated(w, u) for w, u in zip(weights, ups, strict=True)])
+    gated = gemm.grouped(x, offsets, gated_stack)
+    for e, (w, u) in enumerate(zip(weights, ups, strict=True)):
+        rows = x[offsets[e] : offsets[e + 1]]
+        if len(rows):
+            assert torch.equal(plain[offsets[e] : offsets[e + 1]], gemm.linear(rows, gemm.pack(w)))
+            alone = gemm.gated(rows, gemm.pack_gated(w, u))
+            assert torch.equal(gated[offsets[e] : offsets[e + 1]], alone)
+
+
+def test_stacks_of_mixed_weights_are_refused(gemm) -> None:
+    w = torch.randn(8, 16)
+    with pytest.raises(ValueError, match="share their shape and packing"):
+        gemm.stack([gemm.pack(w), gemm.pack_gated(w, w)])
+    with pytest.raises(ValueError, match="share their shape and packing"):
+        gemm.stack([gemm.pack(w), gemm.pack(torch.randn(9, 16))])

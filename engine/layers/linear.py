@@ -29,6 +29,7 @@ from torch import nn
 
 from tandem.common.model_config import Activation
 from tandem.engine.layers.mlp import GatedMLP
+from tandem.engine.layers.moe import FusedExperts, OneDnnExperts, PackedExperts
 from tandem.engine.layers.native_gemm import (
     native_gemm,
     native_gemm_preferred,
@@ -177,10 +178,24 @@ def packed_linear(linear: nn.Linear, backend: LinearBackend) -> nn.Module:
     return linear.packed(pack) if isinstance(linear, PacksItself) else pack(linear)
 
 
+_PACKED_EXPERTS = {LinearBackend.ONEDNN: OneDnnExperts, LinearBackend.NATIVE: PackedExperts}
+
+
+def _packs_experts(experts: FusedExperts, backend: LinearBackend) -> bool:
+    """SwiGLU experts in float32 on the CPU, packed as ``backend`` packs the dense layers."""
+    weight = experts.gate_up_proj
+    if experts.activation is not Activation.SILU or weight.dtype != torch.float32:
+        return False
+    if backend is LinearBackend.NATIVE and not native_gemm_supported():
+        return False
+    return weight.device.type == "cpu"
+
+
 def pack_linear_layers(model: nn.Module, backend: LinearBackend) -> int:
     """Replace every gated MLP and ``nn.Linear`` of a loaded model by its form packed for
-    ``backend`` (oneDNN or native); returns how many modules changed. The original
-    weights are dropped (the embedding keeps its own copy of a tied output projection)."""
+    ``backend`` (oneDNN or native), SwiGLU experts included; returns how
+    many modules changed. The original weights are dropped (the embedding keeps its own
+    copy of a tied output projection)."""
     count = 0
     # Recursive, and never into a module it replaced: a snapshot of ``model.modules()``
     # would also pack the replaced MLPs' linears and keep every original weight alive
@@ -188,6 +203,8 @@ def pack_linear_layers(model: nn.Module, backend: LinearBackend) -> int:
     for name, child in list(model.named_children()):
         if isinstance(child, GatedMLP) and child.activation is Activation.SILU:
             setattr(model, name, _PACKED_MLP[backend](child))
+        elif isinstance(child, FusedExperts) and _packs_experts(child, backend):
+            setattr(model, name, _PACKED_EXPERTS[backend](child))
         elif isinstance(child, nn.Linear):
             setattr(model, name, packed_linear(child, backend))
         else:

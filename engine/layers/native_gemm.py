@@ -54,6 +54,17 @@ class PackedWeight:
     gated: bool = False
 
 
+@dataclass(frozen=True)
+class PackedStack:
+    """Same-shape ``PackedWeight`` data stacked, ``[E, floats per weight]`` (the experts of
+    a mixture of experts). Made by ``NativeGemm.stack`` only."""
+
+    data: torch.Tensor
+    n: int
+    k: int
+    gated: bool
+
+
 class NativeGemm:
     """The loaded kernels. Inputs are float32 ``[..., k]`` (made contiguous when they are
     not); a weight must come from ``pack`` (for ``linear``) or ``pack_gated`` (for
@@ -77,6 +88,16 @@ class NativeGemm:
         self._gated = library.tandem_gemm_gated_f32
         self._gated.restype = None
         self._gated.argtypes = [_ptr, _i64, _i64, _ptr, _i64, _ptr, _int]
+        self._grouped = {
+            gated: getattr(library, name)
+            for gated, name in (
+                (False, "tandem_gemm_grouped_f32"),
+                (True, "tandem_gemm_grouped_gated_f32"),
+            )
+        }
+        for fn in self._grouped.values():
+            fn.restype = None
+            fn.argtypes = [_ptr, _ptr, _i64, _i64, _ptr, _i64, _i64, _ptr, _int]
 
     def pack(self, weight: torch.Tensor) -> PackedWeight:
         """``weight [n, k]`` in panel order."""
@@ -133,6 +154,33 @@ class NativeGemm:
                 x.data_ptr(), rows, weight.k, weight.data.data_ptr(), n, out.data_ptr(),
                 torch.get_num_threads(),
             )  # fmt: skip
+        return out
+
+    def stack(self, weights: list[PackedWeight]) -> PackedStack:
+        """Weights of one shape (all from ``pack``, or all from ``pack_gated``) side by
+        side, for ``grouped``."""
+        first = weights[0]
+        if any((w.n, w.k, w.gated) != (first.n, first.k, first.gated) for w in weights):
+            raise ValueError("stacked weights must share their shape and packing")
+        data = torch.stack([w.data for w in weights])
+        return PackedStack(data, first.n, first.k, first.gated)
+
+    def grouped(self, x: torch.Tensor, offsets: torch.Tensor, weights: PackedStack) -> torch.Tensor:
+        """Rows ``[offsets[e], offsets[e + 1])`` of ``x [rows, k]`` times weight ``e``
+        (``linear``, or ``gated`` for a stack from ``pack_gated``), rows kept in place;
+        ``offsets``: int64, ``len(weights) + 1`` values from 0 to ``rows``."""
+        x = x.contiguous()
+        if x.dtype != torch.float32 or x.shape[-1] != weights.k:
+            raise ValueError(
+                f"inputs {x.dtype} {tuple(x.shape)} for stacked weights of {weights.k}"
+            )
+        offsets = offsets.to(torch.int64).contiguous()
+        out = torch.empty(x.shape[0], weights.n, dtype=torch.float32)
+        self._grouped[weights.gated](
+            x.data_ptr(), offsets.data_ptr(), weights.data.shape[0], weights.k,
+            weights.data.data_ptr(), weights.data.shape[1], weights.n, out.data_ptr(),
+            torch.get_num_threads(),
+        )  # fmt: skip
         return out
 
     @staticmethod

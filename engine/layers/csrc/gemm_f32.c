@@ -260,3 +260,48 @@ void tandem_gemm_gated_f32(const float *x, int64_t m, int64_t k, const float *pa
                            float *y, int threads) {
     gemm(x, m, k, packed, n, NULL, y, GATED, threads);
 }
+
+/* A mixture of experts' products in one call: rows [offsets[e], offsets[e + 1]) of x
+ * (sorted by expert) times expert e's packed weight, at packed + e * stride floats, into
+ * the same rows of y; experts without rows cost nothing. Every thread takes its panels
+ * of each expert in turn, so one parallel region serves all experts. */
+static void grouped(const float *x, const int64_t *offsets, int64_t experts, int64_t k,
+                    const float *packed, int64_t stride, int64_t n, float *y, int mode,
+                    int threads) {
+    int64_t out_per_panel = mode == GATED ? NR / 2 : NR;
+    int64_t panels = (n + out_per_panel - 1) / out_per_panel;
+    int64_t m = offsets[experts] - offsets[0];
+    if (panels == 0 || m == 0) return;
+    if (threads < 1 || m * n * k < PARALLEL_MIN) threads = 1;
+    if (threads > panels) threads = (int)panels;
+#pragma omp parallel num_threads(threads)
+    {
+        int64_t t = 0, nt = 1;
+#ifdef _OPENMP
+        t = omp_get_thread_num();
+        nt = omp_get_num_threads();
+#endif
+        for (int64_t e = 0; e < experts; e++) {
+            int64_t r0 = offsets[e], rows = offsets[e + 1] - offsets[e];
+            if (rows > 0)
+                run_panels(x + r0 * k, rows, k, packed + e * stride, n, NULL, y + r0 * n, mode,
+                           panels * t / nt, panels * (t + 1) / nt);
+        }
+    }
+}
+
+/* Per expert e: y[rows of e] = x[rows of e] @ W_e^T, each W_e packed by
+ * tandem_gemm_pack_f32 at packed + e * stride floats. */
+void tandem_gemm_grouped_f32(const float *x, const int64_t *offsets, int64_t experts, int64_t k,
+                             const float *packed, int64_t stride, int64_t n, float *y,
+                             int threads) {
+    grouped(x, offsets, experts, k, packed, stride, n, y, PLAIN, threads);
+}
+
+/* Per expert e: y[rows of e] = silu(x @ G_e^T) * (x @ U_e^T), packed by
+ * tandem_gemm_pack_gated_f32 at packed + e * stride floats. */
+void tandem_gemm_grouped_gated_f32(const float *x, const int64_t *offsets, int64_t experts,
+                                   int64_t k, const float *packed, int64_t stride, int64_t n,
+                                   float *y, int threads) {
+    grouped(x, offsets, experts, k, packed, stride, n, y, GATED, threads);
+}
