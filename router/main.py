@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from tandem.common.grpc_server import start_server
 from tandem.common.metrics import MetricsServer
@@ -27,6 +29,9 @@ from tandem.router.routing.prefix_aware import PrefixCost
 from tandem.router.service import GenerationService, Generator
 from tandem.router.stall import StallPolicy
 from tandem.router.validation import RequestValidator
+
+if TYPE_CHECKING:
+    from tandem.router.openai_api.server import HttpServer
 
 log = logging.getLogger(__name__)
 
@@ -93,6 +98,34 @@ def workers_max_model_len(watcher: RegistryWatcher) -> int | None:
         for record in watcher.workers(role)
     )
     return min((n for n in limits if n is not None), default=None)
+
+
+def _start_metrics(options: RouterOptions, metrics: RouterMetrics) -> MetricsServer | None:
+    """The Prometheus endpoint, when ``metrics_port`` is set (announced for launchers)."""
+    if options.metrics_port is None:
+        return None
+    server = MetricsServer(metrics.registry, options.host, options.metrics_port)
+    log.info("metrics at http://%s:%d/metrics", options.host, server.port)
+    print(f"METRICS {server.port}", flush=True)  # for a launcher (before READY)
+    return server
+
+
+async def _start_http(
+    options: RouterOptions,
+    generator: Generator,
+    limiter: RateLimiter | None,
+    ready: Callable[[], bool],
+) -> HttpServer:
+    """The OpenAI-compatible HTTP API on ``http_port`` (imported only when served)."""
+    from tandem.router.openai_api.app import make_app
+    from tandem.router.openai_api.server import HttpServer
+
+    app = make_app(generator, options.api_keys, limiter, ready)
+    http = HttpServer(app, options.host, options.http_port, options.tls, options.drain_timeout_s)
+    await http.start()
+    scheme = "http" if options.tls is None else "https"
+    log.info("OpenAI-compatible API at %s://%s:%d/v1", scheme, options.host, http.port)
+    return http
 
 
 async def run(
@@ -188,26 +221,13 @@ async def run(
     )
     await readiness.attach(server.set_serving)
     metrics.watch(watcher, indexer, inflight)
-    metrics_server = None
-    metrics_port = None
-    if options.metrics_port is not None:
-        metrics_server = MetricsServer(metrics.registry, options.host, options.metrics_port)
-        metrics_port = metrics_server.port
-        log.info("metrics at http://%s:%d/metrics", options.host, metrics_port)
-        print(f"METRICS {metrics_port}", flush=True)  # for a launcher (before READY)
+    metrics_server = _start_metrics(options, metrics)
+    metrics_port = None if metrics_server is None else metrics_server.port
     if server.health_port is not None:
         log.info("plaintext gRPC health (for probes) at %s:%d", options.host, server.health_port)
     http = None
     if options.http_port is not None:
-        from tandem.router.openai_api.app import make_app
-        from tandem.router.openai_api.server import HttpServer
-
-        app = make_app(generator, options.api_keys, limiter, lambda: server.ready)
-        drain_s = options.drain_timeout_s
-        http = HttpServer(app, options.host, options.http_port, options.tls, drain_s)
-        await http.start()
-        scheme = "http" if options.tls is None else "https"
-        log.info("OpenAI-compatible API at %s://%s:%d/v1", scheme, options.host, http.port)
+        http = await _start_http(options, generator, limiter, lambda: server.ready)
     if started is not None:
         started.set_result(
             RouterState(
