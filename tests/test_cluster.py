@@ -15,6 +15,7 @@ import pytest
 
 from tandem.cli.launcher import LocalCluster
 from tandem.common.client import AsyncGenerationClient, build_request, stream_generate
+from tandem.common.model_config import ModelConfig
 from tandem.engine import LLM, SamplingParams
 from tandem.protos import common_pb2
 from tests.cluster_util import cluster_spec, complete_all, worker_status
@@ -26,6 +27,10 @@ NUM_NEW = 16
 GREEDY = common_pb2.SamplingParams(max_tokens=NUM_NEW, temperature=0, ignore_eos=True)
 WORKER_ARGS = ("--num-kv-blocks", "256", "--max-num-seqs", "64")
 DECODE_ARGS = ("--kv-pull-timeout", "3")
+DECODE_STEP_S = 0.01
+"""Every decode-0 step is held this long (fault injection), so that a long request takes
+a known least time: a few hundred steps in all for the other tests, and 20 s for a
+stream that runs to the end of the model's context."""
 
 
 @pytest.fixture(scope="module")
@@ -37,7 +42,13 @@ def model_dir(make_checkpoint: Callable[..., Path]) -> Path:
 def cluster(model_dir: Path, redis_url: str, tmp_path_factory) -> Iterator[LocalCluster]:
     logs = tmp_path_factory.mktemp("cluster-logs")
     spec = cluster_spec(
-        model_dir, redis_url, logs, "e2e", worker_args=WORKER_ARGS, decode_args=DECODE_ARGS
+        model_dir,
+        redis_url,
+        logs,
+        "e2e",
+        worker_args=WORKER_ARGS,
+        decode_args=DECODE_ARGS,
+        worker_env={"decode-0": {"TANDEM_FAULTS": f"engine.step:delay={DECODE_STEP_S}"}},
     )
     with LocalCluster(spec) as running:
         yield running
@@ -142,9 +153,10 @@ def test_thirty_two_concurrent_streams(cluster, offline):
     _wait_idle(cluster)
 
 
-def test_cancelled_stream_frees_blocks_on_both_workers(cluster):
+def test_cancelled_stream_frees_blocks_on_both_workers(cluster, model_dir):
     prompt = random_prompts(1, 4096, (80, 80), seed=3)[0]
-    sampling = common_pb2.SamplingParams(max_tokens=1000, temperature=0, ignore_eos=True)
+    max_tokens = ModelConfig.from_dir(model_dir).max_position_embeddings - len(prompt)
+    sampling = common_pb2.SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
 
     async def start_then_cancel() -> int:
         async with AsyncGenerationClient(cluster.router_address) as client:
@@ -158,7 +170,8 @@ def test_cancelled_stream_frees_blocks_on_both_workers(cluster):
             return seen
 
     assert asyncio.run(start_then_cancel()) >= 5
-    _wait_idle(cluster)
+    # not cancelled, the request would hold decode-0 for max_tokens slowed steps
+    _wait_idle(cluster, timeout_s=max_tokens * DECODE_STEP_S / 4)
 
 
 def test_bad_requests_get_clear_errors(cluster):

@@ -56,6 +56,7 @@ def make_cluster(
     def make(
         num_decode: int = 2,
         router_args: tuple[str, ...] = (),
+        prefill_args: tuple[str, ...] = (),
         decode_args: tuple[str, ...] = (),
         worker_env: dict[str, dict[str, str]] | None = None,
     ) -> LocalCluster:
@@ -66,6 +67,7 @@ def make_cluster(
             redis_url=redis_url,
             model_name=f"faults-{free_port()}",
             worker_args=WORKER_ARGS,
+            prefill_args=prefill_args,
             decode_args=(*DECODE_ARGS, *decode_args),
             router_args=router_args,
             threads_per_worker=1,
@@ -115,8 +117,15 @@ def _pid(cluster: LocalCluster, name: str) -> int:
 
 
 def test_prefill_worker_killed_mid_flight_still_completes(make_cluster, offline):
-    cluster = make_cluster(num_decode=1)
+    # Steps of 128 tokens held 0.2 s each: the six prompts (532 tokens) take five, so the
+    # first token is out while the other prompts are still being prefilled there.
+    cluster = make_cluster(
+        num_decode=1,
+        prefill_args=("--max-num-batched-tokens", "128"),
+        worker_env={"prefill-0": {"TANDEM_FAULTS": "engine.step:delay=0.2"}},
+    )
     prompts = random_prompts(6, 4096, (60, 120), seed=41)
+    unfinished: list[int] = []  # prefill-0's requests not yet prefilled when it was killed
 
     async def run() -> list[list[int]]:
         killed = asyncio.Event()
@@ -129,6 +138,8 @@ def test_prefill_worker_killed_mid_flight_still_completes(make_cluster, offline)
                 tokens += response.token_ids
                 if tokens and not killed.is_set():
                     killed.set()
+                    status = worker_status(cluster, "prefill-0")
+                    unfinished.append(status.num_running + status.num_waiting)
                     os.kill(_pid(cluster, "prefill-0"), signal.SIGKILL)
             return tokens
 
@@ -136,6 +147,7 @@ def test_prefill_worker_killed_mid_flight_still_completes(make_cluster, offline)
             return list(await asyncio.gather(*(one(client, p) for p in prompts)))
 
     assert asyncio.run(run()) == _expected(offline, prompts, 24)
+    assert unfinished[0] > 0
     # Later requests find no prefill worker (or a dead one) and are prefilled locally.
     later = asyncio.run(complete_all(cluster.router_address, prompts[:2], _greedy(8)))
     assert [r.token_ids for r in later] == _expected(offline, prompts[:2], 8)

@@ -1,5 +1,6 @@
-"""The serving benchmark: its statistics, its request plan, and one short run against a
-fake router (a real grpc.aio server on the benchmark's own event loop)."""
+"""The serving benchmark: its statistics, its request plan, one short run against a fake
+router (a real grpc.aio server on the benchmark's own event loop) and one against a real
+local cluster."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import json
 import math
 import random
 import statistics
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 
 import grpc
@@ -28,8 +29,10 @@ from tandem.bench.loadgen import (
     summarize,
 )
 from tandem.bench.workloads import IntRange, TokenPool
+from tandem.cli.launcher import LocalCluster
 from tandem.common.client import StreamClock, StreamTiming
 from tandem.protos import common_pb2, generation_pb2, generation_pb2_grpc
+from tests.cluster_util import cluster_spec, worker_status
 
 PLAN = PlannedRequest(send_at=0.0, prompt_token_ids=(1, 2, 3), max_tokens=4)
 
@@ -286,3 +289,37 @@ def test_plot_is_written_when_matplotlib_is_installed(tmp_path: Path) -> None:
     code, _ = run_against_fake("--num-requests", "4", "--prompt-len", "4", "--plot", str(out))
     assert code == 0
     assert out.read_bytes().startswith(b"\x89PNG")
+
+
+# --- one short run against a real cluster ----------------------------------------------
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_a_short_run_against_a_real_cluster_measures_every_request(
+    make_checkpoint: Callable[..., Path], redis_url: str, tmp_path: Path
+) -> None:
+    """Router, one prefill and one decode worker as processes: prompts on both sides of
+    the 32-token disaggregation threshold, every token asked for, none lost."""
+    model_dir = make_checkpoint("llama")
+    out = tmp_path / "run.json"
+    spec = cluster_spec(model_dir, redis_url, tmp_path / "logs", "loadgen")
+    with LocalCluster(spec) as cluster:
+        args = ["--addr", cluster.router_address, "--model-dir", str(model_dir), "--no-progress"]
+        args += ["--num-requests", "6", "--rate", "inf", "--prompt-len", "8:64"]
+        args += ["--output-len", "2:12", "--seed", "1", "--timeout", "60", "--json", str(out)]
+        assert serve.main(args) == 0
+        prefilled = worker_status(cluster, "prefill-0").num_requests
+    doc = json.loads(out.read_text())
+    report, requests = doc["report"], doc["requests"]
+    assert doc["model"] == spec.model_name
+    assert (report["num_requests"], report["num_completed"], report["num_failed"]) == (6, 6, 0)
+    assert [r["error"] for r in requests] == [None] * 6
+    assert [r["output_tokens"] for r in requests] == [r["max_tokens"] for r in requests]
+    long_prompts = sum(r["prompt_tokens"] >= 32 for r in requests)
+    assert 0 < long_prompts < 6 and prefilled == long_prompts  # both paths were taken
+    for r in requests:
+        assert 0 < r["ttft_s"] <= r["e2e_s"] and r["tpot_s"] > 0
+    assert report["ttft_ms"]["p50"] > 0 and report["tpot_ms"]["p50"] > 0
+    total = sum(r["output_tokens"] for r in requests)
+    assert report["output_throughput"] == pytest.approx(total / report["duration_s"])

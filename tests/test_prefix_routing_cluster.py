@@ -224,18 +224,35 @@ def test_a_removed_worker_is_never_chosen_and_its_entries_are_gone(
         before = _indexed_blocks(router, "prefill-1")
         warm_directly(cluster, "prefill-1", prompt)
         _wait_indexed(router, "prefill-1", before + 6)
+        (query,) = prompts_with_prefix(prompt, 1, seed=19)
+        assert served_by(cluster, router.address, query) == ("prefill-1", 96)  # the holder
         cluster.kill("prefill-1", sig=15)  # SIGTERM: deregisters, the router sees it leave
         deadline = time.monotonic() + 10
         while "prefill-1" in router.metrics().labels("router_kv_index_worker_blocks", "worker"):
             assert time.monotonic() < deadline, "prefill-1 stayed in the router's index"
             time.sleep(0.1)
-        for i in range(3):
-            (query,) = prompts_with_prefix(prompt, 1, seed=20 + i)
-            (result,) = asyncio.run(complete_all(router.address, [query], GREEDY))
-            assert result.finish_reason == "length"
-        assert worker_status(cluster, "prefill-0").num_requests >= 3
+        served_before = worker_status(cluster, "prefill-0").num_requests
+        picks_before, retries_before = _prefill_picks(router), _prefill_retries(router)
+        # At once, so that prefill-0 is busy when most are placed: the removed worker
+        # would be the idler choice.
+        queries = prompts_with_prefix(prompt, 6, seed=20)
+        results = asyncio.run(complete_all(router.address, queries, GREEDY))
+        assert all(r.finish_reason == "length" for r in results)
+        # One prefill pick per query, each on prefill-0: a pick of the dead prefill-1
+        # would have failed and been retried there.
+        assert worker_status(cluster, "prefill-0").num_requests - served_before == len(queries)
+        assert _prefill_picks(router) - picks_before == len(queries)
+        assert _prefill_retries(router) == retries_before
     finally:
         router.stop()
+
+
+def _prefill_picks(router: RouterProcess) -> float:
+    return router.metrics().value("router_routing_decisions_total", pool="prefill")
+
+
+def _prefill_retries(router: RouterProcess) -> float:
+    return router.metrics().value("router_prefill_retries_total")
 
 
 def _wait_synced(router: RouterProcess, timeout_s: float = 20.0) -> None:

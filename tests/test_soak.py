@@ -33,7 +33,11 @@ def test_a_soak_under_faults_loses_nothing(
     assert report.passed, format_report(report)
     assert report.hung == report.leaked_kv_blocks == report.leaked_leases == 0
     assert report.unaccounted == report.double_outcomes == report.mismatched == 0
-    assert report.requests > 100 and report.completed > 0.8 * report.requests
+    # The load ran through the faults: more requests than faults fired. How many a second
+    # is bench/soak.py's figure to report (docs/benchmarks/soak.md), not a floor here,
+    # where a loaded machine serves a fraction of it.
+    assert report.requests > sum(report.faults.values()), (report.requests, report.faults)
+    assert report.completed > 0.8 * report.requests
     # Errors are outcomes too, but under these faults they should be rare.
     assert sum(report.errors.values()) <= 0.01 * report.requests, report.errors
     assert sum(report.faults.values()) >= max(2, DURATION_S // 30), report.faults

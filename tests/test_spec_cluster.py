@@ -15,7 +15,9 @@ import pytest
 
 from tandem.cli.launcher import LocalCluster
 from tandem.cli.serve import _speculative_args, default_model
+from tandem.common.sampling_params import SpecMethod, SpeculativeOptions
 from tandem.engine import LLM, SamplingParams
+from tandem.engine.spec_decode.speculator import SpecDecodeStats
 from tandem.protos import common_pb2
 from tests.cluster_util import cluster_spec, complete_all, greedy, worker_status
 from tests.hf_reference import random_prompts
@@ -90,7 +92,7 @@ def test_draft_model_through_the_cluster_keeps_greedy_output(cluster, plain) -> 
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-def test_per_request_control_reaches_the_decode_worker(cluster, plain) -> None:
+def test_per_request_control_reaches_the_decode_worker(cluster, plain, model_dir) -> None:
     prompts = random_prompts(3, 4096, (40, 60), seed=32)
     expected = _plain_greedy(plain, prompts)
 
@@ -99,15 +101,29 @@ def test_per_request_control_reaches_the_decode_worker(cluster, plain) -> None:
     assert [r.token_ids for r in off] == expected
     assert _spec(cluster).num_draft_tokens == before.num_draft_tokens  # nothing proposed
 
-    # n-gram lookup on a prompt the model is asked to continue after a repeat of itself
-    phrase = random_prompts(1, 4096, (20, 20), seed=33)[0]
-    repeating = [phrase * 3]
+    # n-gram lookup with k=2, asked for by the request of a worker whose default is the
+    # draft model. The random model does not copy its prompt, so lookups hit only where
+    # its output repeats an earlier token: an offline n-gram engine says how often.
+    repeating = [phrase * 3 for phrase in random_prompts(3, 4096, (20, 20), seed=34)]
     ngram = _greedy(method=common_pb2.SPECULATIVE_METHOD_NGRAM, num_speculative_tokens=2)
     before = _spec(cluster)
     out = asyncio.run(complete_all(cluster.router_address, repeating, ngram))
     assert [r.token_ids for r in out] == _plain_greedy(plain, repeating)
-    assert _spec(cluster).num_verifications >= before.num_verifications
+    after, offline = _spec(cluster), _offline_ngram_stats(model_dir, repeating)
+    assert offline.num_verifications > 0
+    for counter in ("num_verifications", "num_draft_tokens", "num_accepted_tokens"):
+        grew = getattr(after, counter) - getattr(before, counter)
+        assert grew == getattr(offline, counter), counter
     _wait_idle(cluster)
+
+
+def _offline_ngram_stats(model_dir: Path, prompts: list[list[int]]) -> SpecDecodeStats:
+    """What an offline engine speculating by n-gram lookup with k=2 counts for ``prompts``."""
+    options = SpeculativeOptions(method=SpecMethod.NGRAM, num_tokens=2)
+    params = SamplingParams(temperature=0, max_tokens=NUM_NEW, ignore_eos=True, speculative=options)
+    with LLM(model_dir, dtype="float32", num_kv_blocks=256, speculative_method="ngram") as llm:
+        llm.generate(prompts, params)
+        return llm.engine.speculator.stats
 
 
 def _wait_idle(cluster: LocalCluster, timeout_s: float = 20.0) -> None:

@@ -89,7 +89,10 @@ def test_minute_budget_stops_the_run(corpus: Corpus) -> None:
     config = TrainConfig(minutes=0.01, batch_size=2, seq_len=16, eval_every=10_000)
     report = train(checkpoint_spec(size=PRESET), config, corpus).report
     assert report.steps >= 1
-    assert report.minutes < 0.01 + 0.05
+    # Only the budget ends this run, so it ran at least that long; it stops at the first
+    # step after it. A step takes milliseconds; the slack is for a loaded machine (and is
+    # still far below what a budget read in the wrong unit gives: 60 times the run).
+    assert 0.01 <= report.minutes < 0.01 + 0.1
 
 
 def test_same_seed_same_weights_other_seed_other_weights(trained: Trained, corpus: Corpus) -> None:
