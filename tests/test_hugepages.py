@@ -69,3 +69,20 @@ def test_the_engine_kv_cache_is_on_advised_memory(make_checkpoint) -> None:
     inside = -(-cache.data_ptr() // hugepages.HUGE_PAGE) * hugepages.HUGE_PAGE
     assert _mapping_of(inside)["THPeligible"] == "1"
     assert not cache.any()
+
+
+@thp_available
+def test_a_pool_gets_huge_pages_after_large_tensors_came_and_went() -> None:
+    """A long-lived process frees large tensors; the allocator would then serve a pool
+    from memory already faulted in on 4 KiB pages (0 kB huge, seen). The pool is a fresh
+    mapping of its own, starting on a huge page."""
+    for _ in range(4):
+        scratch = torch.empty(30 * 2**20, dtype=torch.uint8)
+        scratch.fill_(1)
+        del scratch
+    t = hugepages.zeros((3 * 2**20,), torch.float32, torch.device("cpu"))  # 12 MiB
+    assert t.data_ptr() % hugepages.HUGE_PAGE == 0
+    mapping = _mapping_of(t.data_ptr())
+    assert mapping["THPeligible"] == "1"
+    assert int(mapping["AnonHugePages"].split()[0]) >= 6 * 1024  # a few may be refused
+    assert not t.any()
