@@ -197,7 +197,16 @@ def test_sigterm_to_a_decode_worker_loses_no_stream(make_cluster, offline, drain
     """The signal Kubernetes sends on every rollout: the worker leaves the registry, its
     streams either finish there (drains) or move on when the drain runs out; no stream
     hangs, and every one is token-identical."""
-    cluster = make_cluster(num_decode=2, decode_args=("--drain-timeout", drain_timeout))
+    # Both decoders step at >= 20 ms, so a 300-token stream runs >= 6 s there: after
+    # a stream's 8th token every stream is still decoding, whatever the machine's load
+    # (unslowed, a loaded CI machine once saw both decoders idle by the time the
+    # client read that token).
+    slow = {"TANDEM_FAULTS": "engine.step:delay=0.02"}
+    cluster = make_cluster(
+        num_decode=2,
+        decode_args=("--drain-timeout", drain_timeout),
+        worker_env={name: slow for name in DECODERS},
+    )
     prompts = random_prompts(8, 4096, (40, 80), seed=45)
     signalled_worker: list[tuple[str, int]] = []  # (name, its running streams then)
 
