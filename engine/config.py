@@ -219,7 +219,7 @@ def resolve_runtime(config: EngineConfig, model: ModelConfig) -> EngineRuntime:
     requested = AttentionBackendKind(config.attention_backend) if config.attention_backend else None
     kv_cache_dtype = parse_kv_cache_dtype(config.kv_cache_dtype)
     backend = select_backend_kind(
-        requested, device, dtype, model.head_dim, model.attn_logit_softcap
+        requested, device, dtype, model.head_dim, model.attn_logit_softcap, model.mla is not None
     )
     if kv_cache_dtype.quantized and backend is AttentionBackendKind.FLASH:
         backend = AttentionBackendKind.SDPA  # flash was only the default (a request is refused)

@@ -68,8 +68,9 @@ def check_config(config: EngineConfig) -> int:
 def kv_layout(mc: ModelConfig, rt: EngineRuntime, tp_size: int = 1) -> KVCacheLayout:
     """The KV cache of one rank: its KV heads only (all of them at ``tp_size`` 1)."""
     heads = head_split(mc, 0, tp_size).kv.size
+    planes = 1 if mc.mla is not None else 2  # a latent cache: one row per token
     return KVCacheLayout(
-        rt.block_size, mc.num_layers, heads, mc.head_dim, rt.dtype, rt.kv_cache_dtype
+        rt.block_size, mc.num_layers, heads, mc.head_dim, rt.dtype, rt.kv_cache_dtype, planes
     )
 
 

@@ -25,7 +25,7 @@ from tandem.engine.models import model_class
 from tandem.engine.parallel.group import TensorParallelGroup
 from tandem.engine.parallel.shard import shard_model
 from tandem.engine.quantization.checkpoint import load_quantized, stored_quantization
-from tandem.engine.quantization.linear import QuantizedLinear, quantize_model
+from tandem.engine.quantization.linear import QuantizedLinear, quantize_experts, quantize_model
 from tandem.engine.quantization.scheme import QuantizationConfig
 
 
@@ -97,6 +97,9 @@ def load_model(
     for module in model.modules():
         if isinstance(module, RotaryEmbedding):
             module.materialize(device)
+    if stored is not None:  # its experts were stored float
+        with torch.no_grad():
+            quantize_experts(model, stored)
     if quantization is not None and stored is None:
         with torch.no_grad():
             quantize_model(model, quantization)

@@ -43,9 +43,11 @@ class RunnerOutput:
 
 @dataclass(frozen=True)
 class KVCacheLayout:
-    """Per-layer cache tensor: ``[2 (K, V), num_blocks, block_size, num_kv_heads,
+    """Per-layer cache tensor: ``[planes, num_blocks, block_size, num_kv_heads,
     row_width]`` of ``storage_dtype``: ``head_dim`` values of ``dtype``, or, quantized,
-    ``head_dim`` one-byte codes + a float32 scale as uint8 (``kv_quant``)."""
+    ``head_dim`` one-byte codes + a float32 scale as uint8 (``kv_quant``). ``planes``
+    is 2 (K, V), or 1 for a latent cache (multi-head latent attention: one row per
+    token, ``attention.latent``)."""
 
     block_size: int
     num_layers: int
@@ -54,6 +56,7 @@ class KVCacheLayout:
     dtype: torch.dtype
     """The model's compute dtype (what attention reads)."""
     kv_cache_dtype: KVCacheDtype = KVCacheDtype.AUTO
+    planes: int = 2
 
     @property
     def row_width(self) -> int:
@@ -66,7 +69,7 @@ class KVCacheLayout:
     @property
     def bytes_per_token(self) -> int:
         itemsize = torch.empty((), dtype=self.storage_dtype).element_size()
-        return 2 * self.num_layers * self.num_kv_heads * self.row_width * itemsize
+        return self.planes * self.num_layers * self.num_kv_heads * self.row_width * itemsize
 
     @property
     def bytes_per_block(self) -> int:
@@ -114,6 +117,7 @@ class ModelRunner:
             layout.block_size,
             layout.kv_cache_dtype,
             model_config.attn_logit_softcap,
+            None if model_config.mla is None else model_config.mla.kv_lora_rank,
         )
         self.sampler = Sampler(device, seed)
         self._generators: dict[str, torch.Generator] = {}
@@ -127,7 +131,7 @@ class ModelRunner:
         if self._plans is not None and self.tp.is_first:
             self._plans.send(PlanKind.ALLOCATE_KV, num_blocks)
         lay = self.layout
-        shape = (2, num_blocks, lay.block_size, lay.num_kv_heads, lay.row_width)
+        shape = (lay.planes, num_blocks, lay.block_size, lay.num_kv_heads, lay.row_width)
         self.kv_caches = [
             hugepages.zeros(shape, lay.storage_dtype, self.device) for _ in range(lay.num_layers)
         ]

@@ -1,8 +1,9 @@
 """Gather named blocks of a paged KV cache into one contiguous buffer, and scatter back.
 
-Caches are one tensor per layer, ``[2, num_blocks, block_size, num_kv_heads, head_dim]``
-(block ids index dim 1); the packed buffer is ``[num_layers, 2, n, block_size,
-num_kv_heads, head_dim]``, block ``i`` of it being ``block_ids[i]`` of the cache.
+Caches are one tensor per layer, ``[planes, num_blocks, block_size, num_kv_heads,
+head_dim]`` (planes: 2 for K and V, 1 for a latent MLA cache; block ids index dim 1);
+the packed buffer is ``[num_layers, planes, n, block_size, num_kv_heads, head_dim]``,
+block ``i`` of it being ``block_ids[i]`` of the cache.
 
 Cost of either direction: one ``index_select`` / ``index_copy_`` per layer, reading and
 writing ``n * bytes_per_block`` bytes, plus an ``n``-element int64 index on the cache's
@@ -79,10 +80,13 @@ def _packed_shape(kv_caches: Sequence[torch.Tensor], num_blocks: int) -> tuple[i
     if num_blocks == 0:
         raise ValueError("no block ids given")
     first = kv_caches[0]
-    if first.dim() != 5 or first.shape[0] != 2:
-        raise ValueError(f"expected caches [2, blocks, slots, heads, dim], got {first.shape}")
-    _, _, block_size, heads, head_dim = first.shape
-    return (len(kv_caches), 2, num_blocks, block_size, heads, head_dim)
+    if first.dim() != 5 or first.shape[0] not in (1, 2):
+        raise ValueError(
+            f"expected caches [planes (2, or 1 latent), blocks, slots, heads, dim], "
+            f"got {first.shape}"
+        )
+    planes, _, block_size, heads, head_dim = first.shape
+    return (len(kv_caches), planes, num_blocks, block_size, heads, head_dim)
 
 
 def _check_packed(packed: torch.Tensor, shape: tuple[int, ...], like: torch.Tensor) -> None:

@@ -26,9 +26,13 @@ class KVLayout:
     travel as one ``[num_layers, 2, n, block_size, num_kv_heads, row_width]`` tensor
     (``WIRE_LAYOUT``). A quantized cache (``kv_cache_dtype`` int8 / fp8) is uint8 rows of
     ``head_dim`` codes + a float32 scale: the wire carries codes and scales as stored.
+    A latent cache (multi-head latent attention, ``planes`` 1) has one plane instead of
+    K and V, ``[num_layers, 1, n, block_size, 1, latent + rope]`` on the wire
+    (``LATENT_WIRE_LAYOUT``): the compressed latent moves, not expanded keys and values.
     """
 
     WIRE_LAYOUT: ClassVar[str] = "layer,kv,block,slot,head,dim"
+    LATENT_WIRE_LAYOUT: ClassVar[str] = "layer,latent,block,slot,head,dim"
 
     model: str
     num_layers: int
@@ -39,8 +43,12 @@ class KVLayout:
     tp_size: int = 1
     """Ranks of the replica (``num_kv_heads`` is one rank's share)."""
     kv_cache_dtype: KVCacheDtype = KVCacheDtype.AUTO
+    planes: int = 2
+    """2 (K, V), or 1 for a latent cache."""
 
     def __post_init__(self) -> None:
+        if self.planes not in (1, 2):
+            raise ValueError(f"KVLayout.planes must be 1 (latent) or 2 (K, V), got {self.planes}")
         for name in ("num_layers", "block_size", "num_kv_heads", "head_dim", "tp_size"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"KVLayout.{name} must be positive, got {getattr(self, name)}")
@@ -59,14 +67,14 @@ class KVLayout:
 
     @property
     def bytes_per_block(self) -> int:
-        """K and V of one block across all layers."""
+        """K and V (or the latent) of one block across all layers."""
         itemsize = torch.empty((), dtype=self.storage_dtype).element_size()
-        per_layer = 2 * self.block_size * self.num_kv_heads * self.row_width * itemsize
+        per_layer = self.planes * self.block_size * self.num_kv_heads * self.row_width * itemsize
         return self.num_layers * per_layer
 
     def cache_shape(self, num_blocks: int) -> tuple[int, ...]:
         """Shape of one layer's cache tensor holding ``num_blocks`` blocks."""
-        return (2, num_blocks, self.block_size, self.num_kv_heads, self.row_width)
+        return (self.planes, num_blocks, self.block_size, self.num_kv_heads, self.row_width)
 
     def packed_shape(self, num_blocks: int) -> tuple[int, ...]:
         """Shape of ``num_blocks`` packed blocks (see ``blocks.pack_blocks``)."""
@@ -81,7 +89,7 @@ class KVLayout:
             num_layers=self.num_layers,
             num_kv_heads=self.num_kv_heads,
             head_dim=self.head_dim,
-            layout=self.WIRE_LAYOUT,
+            layout=self.WIRE_LAYOUT if self.planes == 2 else self.LATENT_WIRE_LAYOUT,
             tp_size=self.tp_size,
             kv_cache_dtype=self.kv_cache_dtype.value,
         )

@@ -10,12 +10,13 @@ from pathlib import Path
 import pytest
 import torch
 
+from tandem.cli.make_model import ARCHS as MAKE_MODEL_ARCHS
 from tandem.engine import LLM, SamplingParams
 from tests.hf_reference import hf_greedy, random_prompts
 
 NUM_NEW = 24
 GREEDY = SamplingParams(temperature=0, max_tokens=NUM_NEW, ignore_eos=True)
-ARCHS = ["llama", "qwen2", "mistral", "qwen3", "phi3", "gemma2", "gemma3", "mixtral", "qwen3_moe"]
+ARCHS = list(MAKE_MODEL_ARCHS)  # every family `tandem make-model` makes
 
 
 def assert_pool_idle(llm: LLM) -> None:
@@ -87,8 +88,9 @@ def test_greedy_matches_under_preemption(arch: str, reference, prompts) -> None:
         {"rope_scaling": "llama3", "config_style": "v5"},
         {"kv_heads": 1},  # MQA
         {"kv_heads": 4},  # MHA
+        {"rope_scaling": "yarn", "config_style": "v5"},
     ],
-    ids=["llama3-rope", "linear-rope-v5", "llama3-rope-v5", "mqa", "mha"],
+    ids=["llama3-rope", "linear-rope-v5", "llama3-rope-v5", "mqa", "mha", "yarn-rope-v5"],
 )
 def test_llama_variants_match(variant: dict, reference, prompts) -> None:
     model_dir, expected = reference("llama", **variant)
@@ -97,7 +99,7 @@ def test_llama_variants_match(variant: dict, reference, prompts) -> None:
     assert_pool_idle(llm)
 
 
-@pytest.mark.parametrize("arch", ["llama", "mistral", "gemma2", "qwen3_moe"])
+@pytest.mark.parametrize("arch", ["llama", "mistral", "gemma2", "qwen3_moe", "deepseek_v2"])
 def test_reference_backend_matches(arch: str, reference, prompts) -> None:
     model_dir, expected = reference(arch)
     llm = LLM(

@@ -137,7 +137,7 @@ def test_sliding_window_and_vocab_overrides(made: Callable[..., Path]) -> None:
         {"arch": "llama", "sliding_window": 8},
         {"size": "huge"},
         {"dtype": "int8"},
-        {"rope_scaling": "yarn"},
+        {"rope_scaling": "longrope"},
         {"vocab_size": 100},
     ],
 )

@@ -29,7 +29,12 @@ from tests.hf_reference import hf_greedy, offline_greedy_checked, random_prompts
 
 NUM_NEW = 16
 GREEDY = SamplingParams(temperature=0, max_tokens=NUM_NEW, ignore_eos=True)
-NEW_ARCHS = ["qwen3", "phi3", "gemma2", "gemma3", "mixtral", "qwen3_moe"]
+NEW_ARCHS = ["qwen3", "phi3", "gemma2", "gemma3", "mixtral", "qwen3_moe", "deepseek_v2"]
+"""The int8 test's families. DeepSeek-V3 is left out there: with its experts and latent
+projections int8, 1 of its 6 prompts diverges between batched and alone at token 4 (a
+routing choice flips on the float attention's batch-dependent rounding, not a logit
+tie; float or half-quantized it is invariant): exact invariance of the float parts is
+issue 34's batch-invariant mode. Its int8 path is tested below."""
 
 
 @pytest.fixture(scope="module")
@@ -51,6 +56,7 @@ def _greedy(llm: LLM, prompts: list[list[int]]) -> list[list[int]]:
         ("phi3", {"config_style": "v5"}),  # partial_rotary_factor inside rope_parameters
         ("qwen3_moe", {"kv_heads": 1}),
         ("gemma2", {"dtype": "bfloat16"}),  # stored bf16, run in float32
+        ("deepseek_v2", {"config_style": "v5"}),  # YaRN inside rope_parameters
     ],
     ids=lambda v: v if isinstance(v, str) else "-".join(f"{k}={x}" for k, x in v.items()),
 )
@@ -93,13 +99,13 @@ def _config(make_checkpoint, arch: str) -> dict:
     [
         ("mixtral", {"num_experts_per_tok": 5}, r"'num_experts_per_tok' \(5\) exceeds .* \(4\)"),
         ("qwen3_moe", {"num_experts": 0}, r"'num_experts' must be a positive integer, got 0"),
-        ("qwen3", {"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, r"rope type 'yarn'"),
+        ("phi3", {"rope_scaling": {"rope_type": "longrope"}}, r"rope type 'longrope'"),
         ("phi3", {"partial_rotary_factor": 0.2}, r"partial_rotary_factor.*must be even"),
         ("gemma2", {"hidden_activation": "relu"}, r"'hidden_activation' = 'relu'"),
         (
             "qwen3",
-            {"architectures": ["DeepseekV3ForCausalLM"]},
-            r"DeepseekV3ForCausalLM.*supported",
+            {"architectures": ["Gemma3ForConditionalGeneration"]},
+            r"Gemma3ForConditionalGeneration.*supported",
         ),
         ("qwen3", {"hidden_size": "64"}, r"'hidden_size' must be a positive integer"),
     ],
@@ -250,7 +256,9 @@ def test_each_rank_holds_its_experts_or_its_slice_of_each(split, make_checkpoint
                 assert torch.equal(experts.down_proj[e], w2[e][:, half])
 
 
-@pytest.mark.parametrize(("arch", "draft_arch"), [("gemma2", "qwen3"), ("qwen3_moe", "phi3")])
+@pytest.mark.parametrize(
+    ("arch", "draft_arch"), [("gemma2", "qwen3"), ("qwen3_moe", "phi3"), ("deepseek_v3", "llama")]
+)
 def test_speculation_keeps_greedy_output(arch, draft_arch, make_checkpoint, prompts) -> None:
     """Draft (a model of another family, same tokenizer) and n-gram speculation leave
     the greedy tokens as transformers gives them."""
@@ -293,9 +301,52 @@ def test_int8_weights_stay_close_and_batch_invariant(arch, make_checkpoint, prom
     assert first_steps_equal >= len(prompts) // 2, (batched, expected)
 
 
+@pytest.mark.parametrize("method", ["int8", "int4"])
+@pytest.mark.parametrize("arch", ["mixtral", "deepseek_v3"])
+def test_experts_and_latent_projections_quantize_at_load_and_in_checkpoints(
+    arch, method, make_checkpoint, prompts, tmp_path
+) -> None:
+    """``--quantization`` quantizes every expert (one quantized product per expert and
+    projection) and latent attention's projections (``kv_b_proj`` stays float: it is
+    used as per-head factors). ``tandem quantize`` writes the experts float and the
+    loader quantizes them once read, so the checkpoint gives the same tokens as
+    quantizing at load."""
+    from tandem.engine.quantization.checkpoint import quantize_checkpoint
+    from tandem.engine.quantization.linear import QuantizedExperts, QuantizedLinear
+    from tandem.engine.quantization.scheme import QuantizationConfig, QuantMethod
+
+    model_dir = make_checkpoint(arch)
+    llm = LLM(model_dir, quantization=method, num_kv_blocks=256)
+    modules = list(llm.engine.runner.model.named_modules())
+    assert not any(isinstance(m, moe.FusedExperts) for _, m in modules)
+    experts = [m for _, m in modules if isinstance(m, QuantizedExperts)]
+    assert len(experts) == ModelConfig.from_dir(model_dir).moe.sparse_layers.count(True)
+    assert all(isinstance(p, QuantizedLinear) for e in experts for p in (*e.gate_up, *e.down))
+    if arch == "deepseek_v3":
+        attention = [m for name, m in modules if name.endswith("self_attn")]
+        for layer in attention:
+            for name in ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "o_proj"):
+                assert isinstance(getattr(layer, name), QuantizedLinear), name
+            assert isinstance(layer.kv_b_proj.weight, torch.nn.Parameter)
+    at_load = _greedy(llm, prompts)
+    quantized_dir = tmp_path / "quantized"
+    quantize_checkpoint(model_dir, quantized_dir, QuantizationConfig(QuantMethod(method)))
+    with safe_open(quantized_dir / "model.safetensors", "pt") as f:
+        names = set(f.keys())
+    assert "model.layers.1.mlp.experts.0.gate_proj.weight" in names or (
+        "model.layers.1.block_sparse_moe.experts.0.w1.weight" in names
+    )
+    assert not any(".experts." in n and n.endswith(".qweight") for n in names)
+    assert _greedy(LLM(quantized_dir, num_kv_blocks=256), prompts) == at_load
+    if method == "int8":
+        expected = hf_greedy(model_dir, prompts, NUM_NEW)
+        first_equal = sum(a[0] == e[0] for a, e in zip(at_load, expected, strict=True))
+        assert first_equal >= len(prompts) // 2, (at_load, expected)
+
+
 # -- the disaggregated cluster ---------------------------------------------------------
 
-CLUSTER_ARCHS = ["gemma2", "qwen3_moe"]
+CLUSTER_ARCHS = ["gemma2", "qwen3_moe", "deepseek_v3"]
 CLUSTER_GREEDY = common_pb2.SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
 WORKER_ARGS = ("--num-kv-blocks", "256", "--dtype", "float32")
 
@@ -329,12 +380,14 @@ def test_disaggregated_streams_equal_transformers(family_cluster) -> None:
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
+@pytest.mark.parametrize("arch", ["qwen3_moe", "deepseek_v3"])
 def test_expert_parallel_tp2_replicas_transfer_and_match(
-    make_checkpoint: Callable[..., Path], redis_url: str, tmp_path_factory
+    arch: str, make_checkpoint: Callable[..., Path], redis_url: str, tmp_path_factory
 ) -> None:
     """1 prefill + 1 decode worker, each a TP=2 replica holding half of the experts per
-    rank; the KV moves rank to rank and the streams equal transformers."""
-    model_dir = make_checkpoint("qwen3_moe")
+    rank; the KV (DeepSeek: the latent rows every rank holds) moves rank to rank and the
+    streams equal transformers."""
+    model_dir = make_checkpoint(arch)
     tp2 = (*WORKER_ARGS, "--tensor-parallel-size", "2", "--enable-expert-parallel")
     spec = cluster_spec(
         model_dir,

@@ -35,8 +35,10 @@ CASES = {
     "gemma3": {"arch": "gemma3"},
     "mixtral": {"arch": "mixtral"},
     "qwen3_moe": {"arch": "qwen3_moe"},
+    "deepseek_v2": {"arch": "deepseek_v2"},
+    "deepseek_v3": {"arch": "deepseek_v3"},
 }
-EXPERT_PARALLEL = {"mixtral-ep", "qwen3_moe-ep"}
+EXPERT_PARALLEL = {"mixtral-ep", "qwen3_moe-ep", "deepseek_v3-ep"}
 """Cases run with ``enable_expert_parallel``: each rank holds half of the experts."""
 CASES |= {case: {"arch": case.removesuffix("-ep")} for case in EXPERT_PARALLEL}
 

@@ -89,10 +89,19 @@ def select_backend_kind(
     dtype: torch.dtype,
     head_dim: int | None = None,
     softcap: float | None = None,
+    latent: bool = False,
 ) -> AttentionBackendKind:
     """``flash`` when importable on CUDA; on CPU in float32 the native kernel when it
     builds and takes ``head_dim`` (and the model soft-caps no scores); ``sdpa``
-    otherwise — unless one is requested."""
+    otherwise — unless one is requested. A latent cache (``latent``: multi-head latent
+    attention) is read by ``sdpa`` or the ``torch`` reference only."""
+    if latent:
+        if requested in (AttentionBackendKind.CPU, AttentionBackendKind.FLASH):
+            raise ValueError(
+                f"attention_backend {requested.value!r} cannot read a latent (MLA) KV "
+                "cache; use 'sdpa' (the default) or 'torch'"
+            )
+        return requested or AttentionBackendKind.SDPA
     if requested is AttentionBackendKind.FLASH and not (
         device.type == "cuda" and flash_attn_available()
     ):
@@ -123,11 +132,24 @@ def make_backend(
     block_size: int,
     kv_dtype: KVCacheDtype = KVCacheDtype.AUTO,
     softcap: float | None = None,
+    latent_value_dim: int | None = None,
 ) -> AttentionBackend:
     """``kv_dtype``: how the cache stores values; every backend but flash reads a
     quantized cache (``EngineConfig`` refuses flash with one). ``softcap``: scores
-    become ``softcap * tanh(scores / softcap)`` before the softmax (Gemma 2)."""
+    become ``softcap * tanh(scores / softcap)`` before the softmax (Gemma 2).
+    ``latent_value_dim``: the cache is latent (one plane of rows whose first
+    ``latent_value_dim`` values are also the values; ``attention.latent``)."""
     codec = make_kv_codec(kv_dtype)
+    if latent_value_dim is not None:
+        if kind not in (AttentionBackendKind.SDPA, AttentionBackendKind.TORCH):
+            raise ValueError(
+                f"attention_backend {kind.value!r} cannot read a latent (MLA) KV cache"
+            )
+        from tandem.engine.attention.latent import LatentAttention
+
+        return LatentAttention(
+            scale, latent_value_dim, codec, reference=kind is AttentionBackendKind.TORCH
+        )
     if kind is AttentionBackendKind.TORCH:
         from tandem.engine.attention.torch_ref import TorchPagedAttention
 

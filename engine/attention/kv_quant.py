@@ -51,6 +51,11 @@ class KVCodec(Protocol):
         """Stores ``k, v [T, KVH, D]`` at cache slots ``slots [T]``."""
         ...
 
+    def write_plane(self, plane: torch.Tensor, x: torch.Tensor, slots: torch.Tensor) -> None:
+        """Stores ``x [T, KVH, D]`` at ``slots`` of one plane ``[num_blocks, block_size,
+        KVH, width]`` (a latent cache has one plane, not K and V)."""
+        ...
+
     def read(self, rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """Cache rows ``[..., KVH, width]`` → values ``[..., KVH, D]`` in ``dtype``."""
         ...
@@ -69,6 +74,9 @@ class FloatKV:
         kv_heads, head_dim = k.shape[1], k.shape[2]
         kv_cache[0].view(-1, kv_heads, head_dim).index_copy_(0, slots, k)
         kv_cache[1].view(-1, kv_heads, head_dim).index_copy_(0, slots, v)
+
+    def write_plane(self, plane: torch.Tensor, x: torch.Tensor, slots: torch.Tensor) -> None:
+        plane.view(-1, x.shape[1], x.shape[2]).index_copy_(0, slots, x)
 
     def read(self, rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         return rows
@@ -111,6 +119,10 @@ class QuantizedKV:
         kv_heads, width = kv_cache.shape[-2], kv_cache.shape[-1]
         rows = self.quantize(torch.stack((k, v)))
         kv_cache.view(2, -1, kv_heads, width).index_copy_(1, slots, rows)
+
+    def write_plane(self, plane: torch.Tensor, x: torch.Tensor, slots: torch.Tensor) -> None:
+        rows = self.quantize(x)
+        plane.view(-1, rows.shape[1], rows.shape[2]).index_copy_(0, slots, rows)
 
     def read(self, rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         return self.dequantize(rows, dtype)

@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tandem.common.model_config import Activation, MoEConfig
-from tandem.engine.layers.mlp import activate
+from tandem.engine.layers.mlp import GatedMLP, activate
 
 if TYPE_CHECKING:
     from tandem.engine.parallel.group import TensorParallelGroup
@@ -283,40 +283,88 @@ class Router(nn.Module):
     kept apart from ``nn.Linear`` so packing (``pack_linear_layers``) and quantization
     leave it alone: a 4-16-column product is faster unpacked (a packed oneDNN call
     measured 32 us against a few for ``F.linear`` at 32 rows), and routing decisions
-    stay in float."""
+    stay in float. With ``correction_bias`` it also holds DeepSeek-V3's per-expert
+    ``e_score_correction_bias`` (added to the scores for the choice only)."""
 
-    def __init__(self, hidden_size: int, num_experts: int) -> None:
+    def __init__(self, hidden_size: int, num_experts: int, correction_bias: bool = False) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.empty(num_experts, hidden_size))
+        self.e_score_correction_bias = (
+            nn.Parameter(torch.empty(num_experts)) if correction_bias else None
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.weight)
 
 
 class SparseMoE(nn.Module):
-    """Router + experts; ``forward(x [T, H]) -> [T, H]``."""
+    """Router + experts (+ DeepSeek's shared experts); ``forward(x [T, H]) -> [T, H]``."""
 
     def __init__(self, hidden_size: int, moe: MoEConfig, activation: Activation) -> None:
         super().__init__()
+        self.moe = moe
         self.top_k = moe.top_k
         self.renormalize = moe.renormalize
         self.weights_in_model_dtype = moe.weights_in_model_dtype
-        self.gate = Router(hidden_size, moe.num_experts)
+        self.gate = Router(hidden_size, moe.num_experts, moe.correction_bias)
         self.experts = FusedExperts(moe.num_experts, hidden_size, moe.intermediate_size, activation)
+        self.shared_experts = (
+            GatedMLP(hidden_size, moe.shared_intermediate_size, activation)
+            if moe.shared_intermediate_size
+            else None
+        )
         self.group: TensorParallelGroup | None = None
         """Set by ``shard``: the ranks whose partial sums are added."""
+        self._plain = moe.scoring == "softmax" and moe.group_choice is None
 
     def shard(self, split: ExpertSplit, group: TensorParallelGroup) -> None:
         self.experts.shard(split, group.rank, group.size)
         self.group = group
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each token's ``top_k`` expert ids and their weights (float32 unless the
+        family rounds them to the model dtype)."""
         logits = self.gate(x)
-        probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
-        weights, ids = torch.topk(probs, self.top_k, dim=-1)
+        moe = self.moe
+        if self._plain:
+            probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+            weights, ids = torch.topk(probs, self.top_k, dim=-1)
+        else:
+            logits = logits.float()
+            scores = logits.sigmoid() if moe.scoring == "sigmoid" else logits.softmax(dim=-1)
+            choice = scores
+            if self.gate.e_score_correction_bias is not None:
+                choice = scores + self.gate.e_score_correction_bias.float()
+            if moe.group_choice is not None:
+                choice = _best_groups_only(choice, moe)
+            ids = torch.topk(choice, self.top_k, dim=-1).indices
+            weights = scores.gather(1, ids)
         if self.renormalize:
-            weights = weights / weights.sum(dim=-1, keepdim=True)
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        if moe.routed_scaling_factor != 1.0:
+            weights = weights * moe.routed_scaling_factor
         if self.weights_in_model_dtype:
             weights = weights.to(x.dtype)
+        return weights, ids
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights, ids = self.route(x)
         out = self.experts(x, ids, weights)
-        return out if self.group is None else self.group.all_reduce(out)
+        if self.group is not None:
+            out = self.group.all_reduce(out)
+        if self.shared_experts is not None:  # sharded on its own (row-parallel down)
+            out = out + self.shared_experts(x)
+        return out
+
+
+def _best_groups_only(choice: torch.Tensor, moe: MoEConfig) -> torch.Tensor:
+    """``choice [T, E]`` with every expert outside each token's ``topk_group`` best
+    groups at -inf; a group scores its best expert (``max``) or its two best (``top2``)."""
+    grouped = choice.view(choice.shape[0], moe.num_groups, -1)
+    if moe.group_choice == "max":
+        group_scores = grouped.max(dim=-1).values
+    else:
+        group_scores = grouped.topk(2, dim=-1).values.sum(dim=-1)
+    best = torch.topk(group_scores, moe.topk_group, dim=-1).indices
+    keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, best, True)
+    return grouped.masked_fill(~keep.unsqueeze(-1), float("-inf")).view_as(choice)

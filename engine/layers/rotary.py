@@ -29,7 +29,30 @@ def inverse_frequencies(head_dim: int, rope: RopeConfig) -> torch.Tensor:
         return inv_freq / rope.factor
     if rope.scaling is RopeScaling.LLAMA3:
         return _llama3_scaled(inv_freq, rope)
+    if rope.scaling is RopeScaling.YARN:
+        return _yarn_scaled(inv_freq, head_dim, rope)
     return inv_freq
+
+
+def _yarn_scaled(inv_freq: torch.Tensor, head_dim: int, rope: RopeConfig) -> torch.Tensor:
+    """YaRN: pairs that turn more than ``beta_fast`` times over the original context keep
+    their speed (extrapolation), pairs that turn fewer than ``beta_slow`` times are
+    slowed by ``factor`` (interpolation), and a linear ramp blends the band between."""
+    old_len = rope.original_max_position_embeddings
+
+    def dim_of(rotations: float) -> float:
+        """The (fractional) dim index whose pair turns ``rotations`` times in ``old_len``."""
+        return head_dim * math.log(old_len / (rotations * 2 * math.pi)) / (2 * math.log(rope.theta))
+
+    low, high = dim_of(rope.beta_fast), dim_of(rope.beta_slow)
+    if rope.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, head_dim - 1)
+    if low == high:
+        high += 0.001  # a one-dim band: avoid dividing by zero
+    ramp = ((torch.arange(head_dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    keep = 1 - ramp  # 1: extrapolate (keep the speed), 0: interpolate
+    return (inv_freq / rope.factor) * (1 - keep) + inv_freq * keep
 
 
 def _llama3_scaled(inv_freq: torch.Tensor, rope: RopeConfig) -> torch.Tensor:
@@ -59,9 +82,14 @@ class RotaryEmbedding(nn.Module):
         rope: RopeConfig,
         dtype: torch.dtype,
         rotary_dim: int | None = None,
+        interleaved: bool = False,
     ) -> None:
-        """``rotary_dim``: the leading dims of each head that turn (``None``: all)."""
+        """``rotary_dim``: the leading dims of each head that turn (``None``: all).
+        ``interleaved``: the checkpoint pairs dims (0, 1), (2, 3), ... (DeepSeek) rather
+        than (0, d/2), (1, d/2 + 1), ...; the inputs are reordered to halves first, so
+        rotated q and k come out in the halves layout (their dot products unchanged)."""
         super().__init__()
+        self.interleaved = interleaved
         self.head_dim, self.max_positions, self.rope, self.dtype = (
             rotary_dim or head_dim,
             max_positions,
@@ -85,14 +113,17 @@ class RotaryEmbedding(nn.Module):
         positions = torch.arange(self.max_positions, dtype=torch.float32, device=device)
         angles = torch.outer(positions, inv_freq)
         angles = torch.cat([angles, angles], dim=-1)
-        self.cos = angles.cos().to(self.dtype)
-        self.sin = angles.sin().to(self.dtype)
+        magnitude = self.rope.yarn_attention_factor
+        self.cos = (angles.cos() * magnitude).to(self.dtype)
+        self.sin = (angles.sin() * magnitude).to(self.dtype)
 
     def forward(
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Rotate ``q [T, H, D]`` and ``k [T, KVH, D]`` by their token ``positions [T]``
         into new tensors."""
+        if self.interleaved:
+            q, k = _halves(q), _halves(k)
         if self.partial:
             return self._partial(positions, q, k)
         if self.native is not None:
@@ -113,6 +144,11 @@ class RotaryEmbedding(nn.Module):
             return torch.cat([head * cos + _rotate_half(head) * sin, rest], dim=-1)
 
         return turn(q), turn(k)
+
+
+def _halves(x: torch.Tensor) -> torch.Tensor:
+    """Dims (0, 1), (2, 3), ... regrouped as evens then odds."""
+    return torch.cat([x[..., 0::2], x[..., 1::2]], dim=-1)
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:

@@ -8,6 +8,7 @@ from tandem.common.model_config import Architecture, ModelConfig
 
 
 def model_class(config: ModelConfig) -> type[nn.Module]:
+    from tandem.engine.models.deepseek import DeepseekV2ForCausalLM, DeepseekV3ForCausalLM
     from tandem.engine.models.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM
     from tandem.engine.models.llama import LlamaForCausalLM
     from tandem.engine.models.mistral import MistralForCausalLM
@@ -27,4 +28,6 @@ def model_class(config: ModelConfig) -> type[nn.Module]:
         Architecture.GEMMA3: Gemma3ForCausalLM,
         Architecture.MIXTRAL: MixtralForCausalLM,
         Architecture.QWEN3_MOE: Qwen3MoeForCausalLM,
+        Architecture.DEEPSEEK_V2: DeepseekV2ForCausalLM,
+        Architecture.DEEPSEEK_V3: DeepseekV3ForCausalLM,
     }[config.architecture]

@@ -96,12 +96,19 @@ class DecoderLayer(nn.Module):
 
 
 class DecoderStack(nn.Module):
+    layer: type[nn.Module] = DecoderLayer
+    """The block of each layer (a family with another attention names its own)."""
+
     def __init__(self, config: ModelConfig, dtype: torch.dtype) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_layers))
+        self.layers = nn.ModuleList(self.layer(config, i) for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.rotary = RotaryEmbedding(
+        self.rotary = self.make_rotary(config, dtype)
+
+    @staticmethod
+    def make_rotary(config: ModelConfig, dtype: torch.dtype) -> RotaryEmbedding:
+        return RotaryEmbedding(
             config.head_dim,
             config.max_position_embeddings,
             config.rope,

@@ -9,6 +9,10 @@ Heads. Query heads split evenly. KV heads split evenly when there are at least a
 as ranks; with fewer (multi-query, or ``tp > num_key_value_heads``) each rank holds one
 KV head, the one its query heads attend to, so ``tp / num_kv_heads`` ranks hold a
 copy of each.
+
+Multi-head latent attention (DeepSeek) splits its query heads the same way; its latent
+cache has one row per token for all heads (one "KV head"), so every rank holds the
+whole latent path and caches the same rows (``layers.mla``).
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from torch import nn
 
 from tandem.common.model_config import ModelConfig
 from tandem.engine.layers.attention import SelfAttention
+from tandem.engine.layers.mla import MultiLatentAttention
 from tandem.engine.layers.mlp import GatedMLP
 from tandem.engine.layers.moe import ExpertSplit, SparseMoE
 from tandem.engine.parallel.group import TensorParallelGroup
@@ -52,9 +57,13 @@ def check_tensor_parallel(
     kv = config.num_kv_heads
     if kv % size and size % kv:
         problems.append(f"num_key_value_heads ({kv}; or tp a multiple of it)")
-    if config.intermediate_size % size:
+    if config.intermediate_size % size and (
+        config.moe is None or not all(config.moe.sparse_layers)
+    ):
         problems.append(f"intermediate_size ({config.intermediate_size})")
     moe = config.moe
+    if moe is not None and moe.shared_intermediate_size % size:
+        problems.append(f"the shared experts' intermediate size ({moe.shared_intermediate_size})")
     if moe is not None and expert_split is ExpertSplit.EXPERT and moe.num_experts % size:
         problems.append(f"the number of experts ({moe.num_experts}; expert parallelism)")
     if moe is not None and expert_split is ExpertSplit.TENSOR and moe.intermediate_size % size:
@@ -62,6 +71,11 @@ def check_tensor_parallel(
     if problems:
         raise ValueError(
             f"tensor_parallel_size {size} must divide the model's " + ", ".join(problems)
+        )
+    if config.mla is not None and config.qkv_bias:
+        raise ValueError(
+            "tensor parallelism of latent attention with attention_bias (a biased o_proj) "
+            "is not supported"
         )
 
 
@@ -96,8 +110,10 @@ def shard_model(
             module.o_proj = RowParallelLinear(q, hidden, group)
             module.num_heads, module.num_kv_heads = heads.q.size, heads.kv.size
             module.q_size, module.kv_size = q.size, kv.size
-        elif isinstance(module, GatedMLP):
-            columns = even_span(config.intermediate_size, group.rank, group.size)
+        elif isinstance(module, MultiLatentAttention):
+            _shard_latent_attention(module, heads.q, hidden, group)
+        elif isinstance(module, GatedMLP):  # a dense MLP, or a MoE's shared experts
+            columns = even_span(module.intermediate_size, group.rank, group.size)
             module.gate_up_proj = ColumnParallelLinear(hidden, [columns, columns], bias=False)
             module.down_proj = RowParallelLinear(columns, hidden, group)
             module.intermediate_size = columns.size
@@ -106,3 +122,19 @@ def shard_model(
     embedding = VocabParallelEmbedding(config.vocab_size, hidden, group)
     model.model.embed_tokens = embedding
     model.lm_head = ParallelLMHead(embedding, tied=config.tie_word_embeddings)
+
+
+def _shard_latent_attention(
+    module: MultiLatentAttention, heads: Span, hidden: int, group: TensorParallelGroup
+) -> None:
+    """Query heads ``heads`` of every per-head projection; the latent path replicated."""
+    mla = module.mla
+    qk, v = mla.qk_head_dim, mla.v_head_dim
+    q_rows = Span(heads.start * qk, heads.size * qk)
+    if mla.q_lora_rank is None:
+        module.q_proj = ColumnParallelLinear(hidden, [q_rows], bias=False)
+    else:
+        module.q_b_proj = ColumnParallelLinear(mla.q_lora_rank, [q_rows], bias=False)
+    module.kv_b_proj.shard(heads.start, heads.size)
+    module.o_proj = RowParallelLinear(Span(heads.start * v, heads.size * v), hidden, group)
+    module.num_heads = heads.size

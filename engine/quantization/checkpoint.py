@@ -41,7 +41,10 @@ from tandem.engine.quantization.scheme import (
 )
 
 QUANTIZED_LEAVES = ("qweight", "scales", "zeros")
-PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+PROJECTIONS = (
+    *("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"),
+    *("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa"),  # latent attention (DeepSeek)
+)
 
 
 def stored_quantization(model_dir: str | Path) -> QuantizationConfig | None:
@@ -59,8 +62,10 @@ def stored_quantization(model_dir: str | Path) -> QuantizationConfig | None:
 
 
 def _quantized_name(name: str, config: QuantizationConfig) -> bool:
+    """A mixture's experts stay float in the file (the loader quantizes them once read,
+    ``linear.quantize_experts``): their per-expert tensors feed stacked weights."""
     module, _, leaf = name.rpartition(".")
-    if leaf != "weight":
+    if leaf != "weight" or ".experts." in name:
         return False
     return module.rpartition(".")[2] in PROJECTIONS or (config.lm_head and module == "lm_head")
 

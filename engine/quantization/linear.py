@@ -36,7 +36,9 @@ from torch import nn
 
 from tandem.common.model_config import Activation
 from tandem.engine.layers.attention import SelfAttention
+from tandem.engine.layers.mla import MultiLatentAttention
 from tandem.engine.layers.mlp import GatedMLP, activate
+from tandem.engine.layers.moe import FusedExperts, run_experts
 from tandem.engine.layers.native_ops import FusedOps
 from tandem.engine.native_build import select_isa
 from tandem.engine.parallel.group import TensorParallelGroup
@@ -238,6 +240,47 @@ class QuantizedGatedMLP(nn.Module):
         return self.down_proj(activate(gate, self.activation) * up)
 
 
+class QuantizedExperts(nn.Module):
+    """A mixture's experts (this rank's share) over quantized projections: for each
+    expert with rows in the step, one product over its gate and up halves, the
+    activation, one down product, on the rows ``run_experts`` sorts by expert (the
+    layout of every expert backend). int8 rounds each row of activations on its own as
+    everywhere, so a token's output does not depend on the tokens routed with it. With
+    tensor parallelism each rank quantizes its slice of every expert (expert
+    parallelism: its whole experts, as at one rank)."""
+
+    def __init__(self, experts: FusedExperts, quantize: _Quantizer) -> None:
+        super().__init__()
+        self.num_experts, self.first_expert = experts.num_experts, experts.first_expert
+        self.num_local = experts.num_local
+        self.intermediate_size = inner = experts.intermediate_size
+        self.activation = experts.activation
+        gate_up, down = experts.gate_up_proj.detach(), experts.down_proj.detach()
+        self.gate_up = nn.ModuleList(quantize(_as_linear(w), (inner, inner)) for w in gate_up)
+        self.down = nn.ModuleList(quantize(_as_linear(w), (w.shape[0],)) for w in down)
+
+    def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        return run_experts(self, x, ids, weights)
+
+    def products(self, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        out = torch.empty_like(rows)
+        start = 0
+        for gate_up, down, count in zip(self.gate_up, self.down, counts.tolist(), strict=True):
+            if count:
+                part = rows[start : start + count]
+                gate, up = gate_up(part).split(self.intermediate_size, dim=-1)
+                out[start : start + count] = down(activate(gate, self.activation) * up)
+                start += count
+        return out
+
+
+def _as_linear(weight: torch.Tensor) -> nn.Linear:
+    """A bias-free linear layer around ``weight [out, in]`` (no copy), for ``_Quantizer``."""
+    linear = nn.Linear(weight.shape[1], weight.shape[0], bias=False, device="meta")
+    linear.weight = nn.Parameter(weight, requires_grad=False)
+    return linear
+
+
 class _Quantizer:
     """Turns one loaded float linear layer into its quantized form (module docstring).
     ``empty``: shapes only, values left for a quantized checkpoint to fill."""
@@ -294,14 +337,39 @@ class _Quantizer:
         return quantize_int8(weight, scales_from_absmax(absmax))
 
 
+MLA_PROJECTIONS = ("q_proj", "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "o_proj")
+"""The linear layers of latent attention that quantize (``kv_b_proj`` does not)."""
+
+
+def _quantizer(config: QuantizationConfig, empty: bool) -> _Quantizer:
+    int_gemm = select_int_gemm() if config.method is QuantMethod.INT8 else IntGemm.NATIVE
+    return _Quantizer(config, quant_kernels(select_isa()), int_gemm, empty)
+
+
+def _quantize_experts(model: nn.Module, quantize: _Quantizer) -> int:
+    count = 0
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if isinstance(child, FusedExperts):
+                setattr(parent, name, QuantizedExperts(child, quantize))
+                count += 1
+    return count
+
+
+def quantize_experts(model: nn.Module, config: QuantizationConfig) -> int:
+    """Quantizes the float experts of a loaded model (a quantized checkpoint stores its
+    experts float, so its loader calls this after reading them); returns how many
+    mixtures changed."""
+    return _quantize_experts(model, _quantizer(config, empty=False))
+
+
 def quantize_model(model: nn.Module, config: QuantizationConfig, empty: bool = False) -> int:
     """Replaces, in place, the attention and MLP projections of a loaded float32 CPU
     model (and its ``lm_head`` when ``config.lm_head``) by quantized layers; returns how
     many modules changed. Every rank of a tensor-parallel replica calls it at the same
     point (row-parallel int8 layers all-reduce their row maxima). ``empty``: the layers
     get uninitialised buffers of the right shapes (for ``checkpoint.load_quantized``)."""
-    int_gemm = select_int_gemm() if config.method is QuantMethod.INT8 else IntGemm.NATIVE
-    quantize = _Quantizer(config, quant_kernels(select_isa()), int_gemm, empty)
+    quantize = _quantizer(config, empty)
     count = 0
     for module in model.modules():
         if isinstance(module, SelfAttention):
@@ -309,11 +377,20 @@ def quantize_model(model: nn.Module, config: QuantizationConfig, empty: bool = F
             module.qkv_proj = quantize(module.qkv_proj, parts)
             module.o_proj = quantize(module.o_proj, (module.o_proj.out_features,))
             count += 2
+        elif isinstance(module, MultiLatentAttention):
+            # kv_b_proj stays float: it is used as per-head factors, not as a product.
+            for name in MLA_PROJECTIONS:
+                linear = getattr(module, name, None)
+                if linear is not None:
+                    setattr(module, name, quantize(linear, (linear.out_features,)))
+                    count += 1
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if isinstance(child, GatedMLP):
                 setattr(parent, name, QuantizedGatedMLP(child, quantize))
                 count += 1
+    if not empty:  # a quantized checkpoint keeps its experts float: see quantize_experts
+        count += _quantize_experts(model, quantize)
     if config.lm_head:
         if not isinstance(model.lm_head, nn.Linear):
             raise ValueError("quantize_lm_head is not supported with tensor_parallel_size > 1")

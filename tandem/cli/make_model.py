@@ -23,10 +23,22 @@ from tandem.cli.options import add_command
 if TYPE_CHECKING:
     from tandem.tools.checkpoint_maker import CheckpointSpec
 
-ARCHS = ("llama", "qwen2", "mistral", "qwen3", "phi3", "gemma2", "gemma3", "mixtral", "qwen3_moe")
+ARCHS = (
+    "llama",
+    "qwen2",
+    "mistral",
+    "qwen3",
+    "phi3",
+    "gemma2",
+    "gemma3",
+    "mixtral",
+    "qwen3_moe",
+    "deepseek_v2",
+    "deepseek_v3",
+)
 SIZES = ("tiny", "small", "medium", "trained-target", "trained-draft")
 DTYPES = ("float32", "bfloat16", "float16")
-ROPE_SCALINGS = ("none", "linear", "llama3")
+ROPE_SCALINGS = ("none", "linear", "llama3", "yarn")
 CONFIG_STYLES = ("legacy", "v5")
 DEFAULT_TRAIN_MINUTES = 10.0
 

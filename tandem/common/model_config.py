@@ -9,6 +9,7 @@ model. Both config spellings found in the wild are accepted: ``rope_theta`` +
 from __future__ import annotations
 
 import enum
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -26,10 +27,13 @@ class Architecture(enum.Enum):
     GEMMA3 = "Gemma3ForCausalLM"
     MIXTRAL = "MixtralForCausalLM"
     QWEN3_MOE = "Qwen3MoeForCausalLM"
+    DEEPSEEK_V2 = "DeepseekV2ForCausalLM"
+    DEEPSEEK_V3 = "DeepseekV3ForCausalLM"
 
 
 GEMMA_ARCHS = frozenset({Architecture.GEMMA2, Architecture.GEMMA3})
 QK_NORM_ARCHS = frozenset({Architecture.QWEN3, Architecture.QWEN3_MOE, Architecture.GEMMA3})
+DEEPSEEK_ARCHS = frozenset({Architecture.DEEPSEEK_V2, Architecture.DEEPSEEK_V3})
 
 
 class Activation(enum.Enum):
@@ -43,6 +47,7 @@ class RopeScaling(enum.Enum):
     NONE = "default"
     LINEAR = "linear"
     LLAMA3 = "llama3"
+    YARN = "yarn"
 
 
 @dataclass(frozen=True)
@@ -53,6 +58,65 @@ class RopeConfig:
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
+    # YaRN (``rope_type`` "yarn"): the band of dims blended between interpolation and
+    # extrapolation, and the magnitude corrections.
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    mscale: float | None = None
+    mscale_all_dim: float | None = None
+    attention_factor: float | None = None
+    truncate: bool = True
+
+    @property
+    def yarn_attention_factor(self) -> float:
+        """What YaRN multiplies cos and sin by (1 for the other scalings)."""
+        if self.scaling is not RopeScaling.YARN:
+            return 1.0
+        if self.attention_factor is not None:
+            return self.attention_factor
+        if self.mscale and self.mscale_all_dim:
+            return yarn_mscale(self.factor, self.mscale) / yarn_mscale(
+                self.factor, self.mscale_all_dim
+            )
+        return yarn_mscale(self.factor)
+
+    @property
+    def softmax_mscale(self) -> float:
+        """The factor MLA models (DeepSeek) fold into the softmax scale, squared:
+        YaRN's ``mscale_all_dim`` correction of the dims that do not rotate."""
+        if self.scaling is RopeScaling.NONE or not self.mscale_all_dim:
+            return 1.0
+        return yarn_mscale(self.factor, self.mscale_all_dim) ** 2
+
+
+def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    """YaRN's magnitude correction ``0.1 * mscale * ln(factor) + 1`` (1 when not scaled)."""
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+@dataclass(frozen=True)
+class MLAConfig:
+    """Multi-head latent attention (DeepSeek-V2/V3): keys and values are rebuilt per head
+    from one compressed latent of ``kv_lora_rank`` values per token plus one shared
+    rotated key of ``qk_rope_head_dim``; those two are all the KV cache holds."""
+
+    q_lora_rank: int | None
+    """Queries through a low-rank bottleneck of this size (``None``: one projection)."""
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    interleaved_rope: bool
+    """The rotated dims pair up as (0, 1), (2, 3), ... (DeepSeek's checkpoints)."""
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    @property
+    def cache_width(self) -> int:
+        """Values per token and layer in the cache: the latent, then the rotated key."""
+        return self.kv_lora_rank + self.qk_rope_head_dim
 
 
 @dataclass(frozen=True)
@@ -71,6 +135,23 @@ class MoEConfig:
     scaled (Qwen3-MoE) rather than scaling in float32 (Mixtral)."""
     sparse_layers: tuple[bool, ...]
     """Per layer: a mixture of experts (``True``) or a dense MLP."""
+    scoring: str = "softmax"
+    """Router scores: ``softmax`` over the experts, or each expert's ``sigmoid``
+    (DeepSeek-V3)."""
+    group_choice: str | None = None
+    """Group-limited routing: experts come from the ``topk_group`` of ``num_groups``
+    groups that score best, a group scoring its ``max`` expert (DeepSeek-V2) or the sum
+    of its ``top2`` (V3); ``None``: every expert competes."""
+    num_groups: int = 1
+    topk_group: int = 1
+    correction_bias: bool = False
+    """A per-expert bias added to the scores for the choice only (V3's
+    ``e_score_correction_bias``); the weights stay the plain scores."""
+    routed_scaling_factor: float = 1.0
+    """Multiplies the routing weights (after any renormalisation)."""
+    shared_intermediate_size: int = 0
+    """A dense MLP of this size every token also runs (DeepSeek's shared experts;
+    0: none)."""
 
 
 @dataclass(frozen=True)
@@ -111,6 +192,9 @@ class ModelConfig:
     final_logit_softcap: float | None = None
     """Logits become ``cap * tanh(logits / cap)`` (Gemma 2)."""
     moe: MoEConfig | None = None
+    mla: MLAConfig | None = None
+    """Multi-head latent attention; then ``num_kv_heads`` is 1 and ``head_dim`` is the
+    cache row (``MLAConfig.cache_width``): the latent is stored once per token."""
 
     @property
     def q_size(self) -> int:
@@ -118,6 +202,8 @@ class ModelConfig:
 
     @property
     def attention_scale(self) -> float:
+        if self.mla is not None:
+            return self.mla.qk_head_dim**-0.5 * self.rope.softmax_mscale
         return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
 
     @property
@@ -142,6 +228,7 @@ class ModelConfig:
         head_dim = raw.get("head_dim") or hidden // num_heads
         eos = raw.get("eos_token_id")
         gemma = arch in GEMMA_ARCHS
+        mla = _mla(raw, arch)
         return cls(
             architecture=arch,
             vocab_size=_positive(raw, "vocab_size"),
@@ -149,8 +236,8 @@ class ModelConfig:
             intermediate_size=_positive(raw, "intermediate_size"),
             num_layers=num_layers,
             num_heads=num_heads,
-            num_kv_heads=raw.get("num_key_value_heads") or num_heads,
-            head_dim=head_dim,
+            num_kv_heads=1 if mla else raw.get("num_key_value_heads") or num_heads,
+            head_dim=mla.cache_width if mla else head_dim,
             rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
             max_position_embeddings=int(raw.get("max_position_embeddings", 2048)),
             rope=_rope(
@@ -166,12 +253,13 @@ class ModelConfig:
             eos_token_ids=frozenset(eos if isinstance(eos, list) else [] if eos is None else [eos]),
             hidden_act=_activation(raw, gemma),
             qk_norm=arch in QK_NORM_ARCHS,
-            rotary_dim=_rotary_dim(raw, arch, head_dim),
+            rotary_dim=None if mla else _rotary_dim(raw, arch, head_dim),
             local_rope=_local_rope(raw, arch),
             query_pre_attn_scalar=_optional_float(raw, "query_pre_attn_scalar") if gemma else None,
             attn_logit_softcap=_optional_float(raw, "attn_logit_softcapping") if gemma else None,
             final_logit_softcap=_optional_float(raw, "final_logit_softcapping") if gemma else None,
             moe=_moe(raw, arch, num_layers),
+            mla=mla,
         )
 
 
@@ -223,15 +311,24 @@ def _rope(
         ) from None
     if scaling is RopeScaling.NONE:
         return RopeConfig(theta=theta)
+    factor = float(_require(params, "factor"))
+    if factor <= 0:
+        raise ValueError(f"config.json rope 'factor' must be positive, got {factor}")
     return RopeConfig(
         theta=theta,
         scaling=scaling,
-        factor=float(_require(params, "factor")),
+        factor=factor,
         low_freq_factor=float(params.get("low_freq_factor", 1.0)),
         high_freq_factor=float(params.get("high_freq_factor", 4.0)),
         original_max_position_embeddings=int(
             params.get("original_max_position_embeddings", raw.get("max_position_embeddings", 8192))
         ),
+        beta_fast=float(params.get("beta_fast") or 32.0),
+        beta_slow=float(params.get("beta_slow") or 1.0),
+        mscale=_optional_float(params, "mscale"),
+        mscale_all_dim=_optional_float(params, "mscale_all_dim"),
+        attention_factor=_optional_float(params, "attention_factor"),
+        truncate=bool(params.get("truncate", True)),
     )
 
 
@@ -319,12 +416,97 @@ def _moe(raw: dict[str, Any], arch: Architecture, num_layers: int) -> MoEConfig 
         sparse = tuple(i not in dense and (i + 1) % step == 0 for i in range(num_layers))
         inner = _positive(raw, "moe_intermediate_size")
         renormalize, in_model_dtype = bool(raw.get("norm_topk_prob", False)), True
+    elif arch in DEEPSEEK_ARCHS:
+        return _deepseek_moe(raw, arch, num_layers)
     else:
         return None
+    top_k = _top_k(raw, num_experts)
+    return MoEConfig(num_experts, top_k, inner, renormalize, in_model_dtype, sparse)
+
+
+def _top_k(raw: dict[str, Any], num_experts: int) -> int:
     top_k = _positive(raw, "num_experts_per_tok")
     if top_k > num_experts:
         raise ValueError(
             f"config.json field 'num_experts_per_tok' ({top_k}) exceeds the number of "
             f"experts ({num_experts})"
         )
-    return MoEConfig(num_experts, top_k, inner, renormalize, in_model_dtype, sparse)
+    return top_k
+
+
+_DEEPSEEK_TOPK_METHODS = ("greedy", "group_limited_greedy", "noaux_tc")
+
+
+def _deepseek_moe(raw: dict[str, Any], arch: Architecture, num_layers: int) -> MoEConfig:
+    """DeepSeek's MoE: ``n_routed_experts`` routed plus ``n_shared_experts`` always run,
+    dense MLPs on the first ``first_k_dense_replace`` layers (and off the
+    ``moe_layer_freq`` stride). V2 scores by softmax, picking greedily or from the best
+    groups (``topk_method``); V3 by sigmoid with a choice-only bias, from the groups
+    whose two best experts score best."""
+    num_experts = _positive(raw, "n_routed_experts")
+    top_k = _top_k(raw, num_experts)
+    first_dense = int(raw.get("first_k_dense_replace") or 0)
+    freq = _positive(raw, "moe_layer_freq") if "moe_layer_freq" in raw else 1
+    sparse = tuple(i >= first_dense and i % freq == 0 for i in range(num_layers))
+    v3 = arch is Architecture.DEEPSEEK_V3
+    method = raw.get("topk_method") or ("noaux_tc" if v3 else "greedy")
+    if method not in _DEEPSEEK_TOPK_METHODS:
+        raise ValueError(
+            f"config.json field 'topk_method' = {method!r} is not supported "
+            f"(supported: {', '.join(repr(m) for m in _DEEPSEEK_TOPK_METHODS)})"
+        )
+    grouped = v3 or method == "group_limited_greedy"
+    num_groups = int(raw.get("n_group") or 1) if grouped else 1
+    topk_group = int(raw.get("topk_group") or num_groups) if grouped else 1
+    if grouped and (num_groups < 1 or num_experts % num_groups):
+        raise ValueError(
+            f"config.json field 'n_group' ({num_groups}) must divide n_routed_experts "
+            f"({num_experts})"
+        )
+    if grouped and not 1 <= topk_group <= num_groups:
+        raise ValueError(
+            f"config.json field 'topk_group' ({topk_group}) must be between 1 and n_group "
+            f"({num_groups})"
+        )
+    if grouped and top_k > topk_group * (num_experts // num_groups):
+        raise ValueError(
+            f"config.json field 'num_experts_per_tok' ({top_k}) exceeds the experts of "
+            f"the topk_group ({topk_group}) groups chosen"
+        )
+    shared = int(raw.get("n_shared_experts") or 0)
+    inner = _positive(raw, "moe_intermediate_size")
+    return MoEConfig(
+        num_experts,
+        top_k,
+        inner,
+        renormalize=bool(raw.get("norm_topk_prob", False)),
+        weights_in_model_dtype=False,
+        sparse_layers=sparse,
+        scoring="sigmoid" if v3 else "softmax",
+        group_choice=("top2" if v3 else "max") if grouped else None,
+        num_groups=num_groups,
+        topk_group=topk_group,
+        correction_bias=v3,
+        routed_scaling_factor=float(raw.get("routed_scaling_factor") or 1.0),
+        shared_intermediate_size=shared * inner,
+    )
+
+
+def _mla(raw: dict[str, Any], arch: Architecture) -> MLAConfig | None:
+    if arch not in DEEPSEEK_ARCHS:
+        return None
+    q_lora = raw.get("q_lora_rank")
+    mla = MLAConfig(
+        q_lora_rank=None if q_lora is None else _positive(raw, "q_lora_rank"),
+        kv_lora_rank=_positive(raw, "kv_lora_rank"),
+        qk_nope_head_dim=_positive(raw, "qk_nope_head_dim"),
+        qk_rope_head_dim=_positive(raw, "qk_rope_head_dim"),
+        v_head_dim=_positive(raw, "v_head_dim"),
+        # V2's checkpoints always pair neighbours; V3 says so (transformers' default).
+        interleaved_rope=arch is Architecture.DEEPSEEK_V2 or bool(raw.get("rope_interleave", True)),
+    )
+    if mla.qk_rope_head_dim % 2:
+        raise ValueError(
+            f"config.json field 'qk_rope_head_dim' ({mla.qk_rope_head_dim}) must be even"
+        )
+    return mla

@@ -73,6 +73,29 @@ MOE_TOP_K = 2
 QWEN3_MOE_DENSE_LAYERS = (1,)  # mlp_only_layers: one dense layer among the sparse ones
 ROUTER_STD_GAIN = 2.0
 LLAMA3_ORIGINAL_MAX_POSITIONS = 1024  # below MAX_POSITION_EMBEDDINGS, so scaling matters
+# DeepSeek's latent attention, odd on purpose: a latent that is no multiple of the head
+# sizes, v_head_dim != qk_nope_head_dim, 8 of 24 query/key dims rotated.
+DEEPSEEK_KV_LORA_RANK = 40
+DEEPSEEK_Q_LORA_RANK = 48  # V3 only: V2's queries take one projection (no query LoRA)
+DEEPSEEK_NOPE_DIM, DEEPSEEK_ROPE_DIM, DEEPSEEK_V_DIM = 16, 8, 12
+DEEPSEEK_EXPERTS, DEEPSEEK_GROUPS = 8, 4
+# Groups kept per token: V3 2 (groups scored by their two best experts); V2 1, because
+# with V2's score (a group's best expert) and top_k <= topk_group the choice never
+# differs from plain top-k, so a test model must keep fewer groups than top_k.
+DEEPSEEK_TOPK_GROUP = {"deepseek_v2": 1, "deepseek_v3": 2}
+DEEPSEEK_FIRST_DENSE = 1  # first_k_dense_replace: layer 0 dense, the rest sparse
+# YaRN as the released checkpoints use it; mscale != mscale_all_dim, so both the rotary
+# magnitude and the softmax correction differ from 1.
+DEEPSEEK_YARN = {
+    "rope_type": "yarn",
+    "factor": 4.0,
+    "original_max_position_embeddings": 512,
+    "beta_fast": 32,
+    "beta_slow": 1,
+    "mscale": 1.0,
+    "mscale_all_dim": 0.707,
+}
+CORRECTION_BIAS_STD = 0.05
 
 
 @dataclass(frozen=True)
@@ -108,6 +131,7 @@ class Family(enum.Enum):
     LLAMA = "llama"
     PHI3 = "phi3"  # fused qkv_proj and gate_up_proj tensors
     GEMMA = "gemma"  # four norms per layer, stored as offsets from one
+    DEEPSEEK = "deepseek"  # latent attention (q_a/q_b or q_proj, kv_a/kv_b), shared experts
 
 
 class Experts(enum.Enum):
@@ -115,6 +139,7 @@ class Experts(enum.Enum):
 
     MIXTRAL = "mixtral"  # block_sparse_moe.gate, experts.{e}.w1 / w3 / w2
     QWEN3_MOE = "qwen3_moe"  # mlp.gate, experts.{e}.gate_proj / up_proj / down_proj
+    DEEPSEEK = "deepseek"  # Qwen3-MoE's names + mlp.shared_experts.*, V3's gate bias
 
 
 @dataclass(frozen=True)
@@ -208,6 +233,53 @@ def _qwen3_moe_fields(spec: CheckpointSpec) -> dict[str, object]:
         "norm_topk_prob": False,
         "output_router_logits": False,
     }
+
+
+def _deepseek_fields(spec: CheckpointSpec) -> dict[str, object]:
+    v3 = spec.arch == "deepseek_v3"
+    fields: dict[str, object] = {
+        # As the released configs: one "KV head" per query head (the latent is shared);
+        # transformers takes head_dim for the rotated part.
+        "num_key_value_heads": spec.preset.num_heads,
+        "head_dim": DEEPSEEK_ROPE_DIM,
+        "q_lora_rank": DEEPSEEK_Q_LORA_RANK if v3 else None,
+        "kv_lora_rank": DEEPSEEK_KV_LORA_RANK,
+        "qk_nope_head_dim": DEEPSEEK_NOPE_DIM,
+        "qk_rope_head_dim": DEEPSEEK_ROPE_DIM,
+        "v_head_dim": DEEPSEEK_V_DIM,
+        "n_routed_experts": spec.num_experts,
+        "n_shared_experts": spec.num_shared_experts,
+        "num_experts_per_tok": MOE_TOP_K,
+        "moe_intermediate_size": spec.expert_intermediate_size,
+        "first_k_dense_replace": DEEPSEEK_FIRST_DENSE,
+        "moe_layer_freq": 1,
+        "n_group": DEEPSEEK_GROUPS,
+        "topk_group": DEEPSEEK_TOPK_GROUP[spec.arch],
+        "routed_scaling_factor": 2.5 if v3 else 1.5,
+        "norm_topk_prob": v3,
+        "output_router_logits": False,
+    }
+    if v3:
+        fields.update({"rope_interleave": True, "num_nextn_predict_layers": 0})
+    else:
+        fields["topk_method"] = "group_limited_greedy"
+    return fields
+
+
+def _deepseek_spec(arch: str) -> ArchSpec:
+    """V2 and V3 differ only in config fields (``_deepseek_fields``)."""
+    return ArchSpec(
+        class_name="DeepseekV2ForCausalLM" if arch == "deepseek_v2" else "DeepseekV3ForCausalLM",
+        model_type=arch,
+        qkv_bias=False,
+        tie_word_embeddings=False,
+        has_sliding_window=False,
+        rope_theta=10_000.0,
+        rms_norm_eps=1e-6,
+        extra_fields=_deepseek_fields,
+        family=Family.DEEPSEEK,
+        experts=Experts.DEEPSEEK,
+    )
 
 
 ARCHS: dict[str, ArchSpec] = {
@@ -317,6 +389,7 @@ ARCHS.update(
             wide_heads=True,
             experts=Experts.QWEN3_MOE,
         ),
+        **{arch: _deepseek_spec(arch) for arch in ("deepseek_v2", "deepseek_v3")},
     }
 )
 
@@ -331,6 +404,7 @@ class RopeScaling(enum.Enum):
     NONE = "none"
     LINEAR = "linear"
     LLAMA3 = "llama3"
+    YARN = "yarn"  # DeepSeek's default here (DEEPSEEK_YARN)
 
 
 class ConfigStyle(enum.Enum):
@@ -404,8 +478,19 @@ class CheckpointSpec:
 
     @property
     def num_experts(self) -> int:
-        """Mixtral 4 (every layer sparse), Qwen3-MoE 6 (3 per rank at TP 2)."""
-        return 4 if self.arch_spec.experts is Experts.MIXTRAL else 6
+        """Mixtral 4 (every layer sparse), Qwen3-MoE 6 (3 per rank at TP 2), DeepSeek 8
+        (in 4 groups)."""
+        experts = self.arch_spec.experts
+        if experts is Experts.DEEPSEEK:
+            return DEEPSEEK_EXPERTS
+        return 4 if experts is Experts.MIXTRAL else 6
+
+    @property
+    def num_shared_experts(self) -> int:
+        """DeepSeek-V2 2 (as its checkpoints), V3 1; the others none."""
+        if self.arch_spec.experts is not Experts.DEEPSEEK:
+            return 0
+        return 1 if self.arch == "deepseek_v3" else 2
 
     @property
     def expert_intermediate_size(self) -> int:
@@ -538,7 +623,12 @@ def generation_config(ids: TokenIds) -> dict[str, object]:
 def _rope_fields(spec: CheckpointSpec) -> dict[str, object]:
     theta = spec.arch_spec.rope_theta
     scaling: dict[str, object] | None
-    if spec.rope_scaling is RopeScaling.LINEAR:
+    deepseek = spec.arch_spec.family is Family.DEEPSEEK
+    if spec.rope_scaling is RopeScaling.YARN or (
+        deepseek and spec.rope_scaling is RopeScaling.NONE
+    ):
+        scaling = dict(DEEPSEEK_YARN)
+    elif spec.rope_scaling is RopeScaling.LINEAR:
         scaling = {"rope_type": "linear", "factor": ROPE_SCALING_FACTOR}
     elif spec.rope_scaling is RopeScaling.LLAMA3:
         scaling = {
@@ -601,6 +691,9 @@ def _layer_weights(
     sparse = experts is not None and not (
         experts is Experts.QWEN3_MOE and index in QWEN3_MOE_DENSE_LAYERS
     )
+    if spec.arch_spec.family is Family.DEEPSEEK:
+        plan = _latent_attention_plan(spec, residual_std)
+        sparse = index >= DEEPSEEK_FIRST_DENSE
     if sparse:
         plan.update(_expert_plan(spec, residual_std))
     else:
@@ -620,6 +713,13 @@ def _layer_weights(
         norms.update(
             {"pre_feedforward_layernorm.weight": d, "post_feedforward_layernorm.weight": d}
         )
+    if family is Family.DEEPSEEK:
+        norms["self_attn.kv_a_layernorm.weight"] = DEEPSEEK_KV_LORA_RANK
+        if spec.arch == "deepseek_v3":
+            norms["self_attn.q_a_layernorm.weight"] = DEEPSEEK_Q_LORA_RANK
+        if sparse and spec.arch == "deepseek_v3":  # not a norm: a small choice-only bias
+            bias = prefix + "mlp.gate.e_score_correction_bias"
+            weights[bias] = draw.with_std(bias, (spec.num_experts,), CORRECTION_BIAS_STD)
     if spec.arch_spec.qk_norm:
         norms.update(
             {"self_attn.q_norm.weight": spec.head_dim, "self_attn.k_norm.weight": spec.head_dim}
@@ -649,6 +749,33 @@ def _expert_plan(spec: CheckpointSpec, residual_std: float) -> dict[str, tuple]:
         plan[gate] = ((inner, d), 1 / math.sqrt(d))
         plan[up] = ((inner, d), 1 / math.sqrt(d))
         plan[down] = ((d, inner), residual_std / math.sqrt(inner))
+    shared = spec.num_shared_experts * inner
+    if shared:
+        plan[f"{block}.shared_experts.gate_proj.weight"] = ((shared, d), 1 / math.sqrt(d))
+        plan[f"{block}.shared_experts.up_proj.weight"] = ((shared, d), 1 / math.sqrt(d))
+        down = f"{block}.shared_experts.down_proj.weight"
+        plan[down] = ((d, shared), residual_std / math.sqrt(shared))
+    return plan
+
+
+def _latent_attention_plan(spec: CheckpointSpec, residual_std: float) -> dict[str, tuple]:
+    """DeepSeek's attention tensors (V3 with a query LoRA, V2 without), gains as the
+    other families': scores of std ~2 through q and the latent's key part."""
+    d, heads = spec.preset.hidden_size, spec.preset.num_heads
+    qk = DEEPSEEK_NOPE_DIM + DEEPSEEK_ROPE_DIM
+    rank, per_head = DEEPSEEK_KV_LORA_RANK, DEEPSEEK_NOPE_DIM + DEEPSEEK_V_DIM
+    plan: dict[str, tuple] = {}
+    if spec.arch == "deepseek_v3":
+        q_rank = DEEPSEEK_Q_LORA_RANK
+        plan["self_attn.q_a_proj.weight"] = ((q_rank, d), 1 / math.sqrt(d))
+        plan["self_attn.q_b_proj.weight"] = ((heads * qk, q_rank), QK_GAIN / math.sqrt(q_rank))
+    else:
+        plan["self_attn.q_proj.weight"] = ((heads * qk, d), QK_GAIN / math.sqrt(d))
+    width = rank + DEEPSEEK_ROPE_DIM
+    plan["self_attn.kv_a_proj_with_mqa.weight"] = ((width, d), QK_GAIN / math.sqrt(d))
+    plan["self_attn.kv_b_proj.weight"] = ((heads * per_head, rank), 1 / math.sqrt(rank))
+    v_dim = heads * DEEPSEEK_V_DIM
+    plan["self_attn.o_proj.weight"] = ((d, v_dim), residual_std / math.sqrt(v_dim))
     return plan
 
 
