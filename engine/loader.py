@@ -80,6 +80,7 @@ def load_model(
             quantize_model(model, stored, empty=True)
         model = model.to(dtype)
     model = model.to_empty(device=device)
+    _keep_float32(model, device)
     if config.tie_word_embeddings and not isinstance(model.lm_head, QuantizedLinear):
         model.lm_head.weight = model.model.embed_tokens.weight
     with torch.no_grad():
@@ -104,3 +105,14 @@ def load_model(
         with torch.no_grad():
             quantize_model(model, quantization)
     return model.eval().requires_grad_(False)
+
+
+def _keep_float32(model: nn.Module, device: torch.device) -> None:
+    """Parameters a module lists in ``float32_params`` go back to float32 (empty, before
+    loading) in a model of a lower dtype: DeepSeek's router and correction bias."""
+    for module in model.modules():
+        for name in getattr(module, "float32_params", ()):
+            param = getattr(module, name, None)
+            if param is not None and param.dtype != torch.float32:
+                fresh = torch.empty(param.shape, dtype=torch.float32, device=device)
+                setattr(module, name, nn.Parameter(fresh, requires_grad=False))

@@ -283,3 +283,17 @@ def test_v3_multi_token_prediction_layers_are_skipped(make_checkpoint, prompts, 
     save_file(tensors | extra, tmp_path / "model.safetensors")
     expected = _greedy(LLM(source, dtype="float32", num_kv_blocks=256), prompts)
     assert _greedy(LLM(tmp_path, dtype="float32", num_kv_blocks=256), prompts) == expected
+
+
+def test_the_router_stays_float32_in_a_bfloat16_model(make_checkpoint) -> None:
+    """As transformers keeps DeepSeek's ``gate.weight`` and correction bias: a bf16
+    rounding of the scores would move choices at near-ties."""
+    llm = LLM(make_checkpoint("deepseek_v3"), dtype="bfloat16", num_kv_blocks=64, max_model_len=256)
+    model = llm.engine.runner.model
+    gates = [layer.mlp.gate for layer in model.model.layers[1:]]
+    assert all(g.weight.dtype == g.e_score_correction_bias.dtype == torch.float32 for g in gates)
+    assert model.model.layers[1].mlp.experts.gate_up_proj.dtype == torch.bfloat16
+    source = load_file(make_checkpoint("deepseek_v3") / "model.safetensors")
+    assert torch.equal(gates[0].weight, source["model.layers.1.mlp.gate.weight"])
+    out = llm.generate([[5, 6, 7, 8]], SamplingParams(temperature=0, max_tokens=4))[0]
+    assert len(out.token_ids) == 4

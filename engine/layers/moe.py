@@ -286,14 +286,26 @@ class Router(nn.Module):
     stay in float. With ``correction_bias`` it also holds DeepSeek-V3's per-expert
     ``e_score_correction_bias`` (added to the scores for the choice only)."""
 
-    def __init__(self, hidden_size: int, num_experts: int, correction_bias: bool = False) -> None:
+    def __init__(
+        self,
+        hidden_size: int,
+        num_experts: int,
+        correction_bias: bool = False,
+        float32: bool = False,
+    ) -> None:
+        """``float32``: the weights stay float32 in a bfloat16 / float16 model and the
+        scores are computed in float32 (DeepSeek, as its checkpoints were trained; the
+        loader honours ``float32_params``)."""
         super().__init__()
         self.weight = nn.Parameter(torch.empty(num_experts, hidden_size))
         self.e_score_correction_bias = (
             nn.Parameter(torch.empty(num_experts)) if correction_bias else None
         )
+        self.float32_params = ("weight", "e_score_correction_bias") if float32 else ()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype != self.weight.dtype:  # a float32 router in a lower-precision model
+            x = x.to(self.weight.dtype)
         return F.linear(x, self.weight)
 
 
@@ -306,7 +318,9 @@ class SparseMoE(nn.Module):
         self.top_k = moe.top_k
         self.renormalize = moe.renormalize
         self.weights_in_model_dtype = moe.weights_in_model_dtype
-        self.gate = Router(hidden_size, moe.num_experts, moe.correction_bias)
+        self.gate = Router(
+            hidden_size, moe.num_experts, moe.correction_bias, float32=moe.scoring_in_float32
+        )
         self.experts = FusedExperts(moe.num_experts, hidden_size, moe.intermediate_size, activation)
         self.shared_experts = (
             GatedMLP(hidden_size, moe.shared_intermediate_size, activation)

@@ -152,6 +152,9 @@ class MoEConfig:
     shared_intermediate_size: int = 0
     """A dense MLP of this size every token also runs (DeepSeek's shared experts;
     0: none)."""
+    scoring_in_float32: bool = False
+    """The router's weights (and correction bias) stay float32 in a lower-precision
+    model, its scores computed in float32 (DeepSeek)."""
 
 
 @dataclass(frozen=True)
@@ -489,6 +492,7 @@ def _deepseek_moe(raw: dict[str, Any], arch: Architecture, num_layers: int) -> M
         correction_bias=v3,
         routed_scaling_factor=float(raw.get("routed_scaling_factor") or 1.0),
         shared_intermediate_size=shared * inner,
+        scoring_in_float32=True,
     )
 
 
