@@ -36,7 +36,7 @@ ARCHS = (
     "deepseek_v2",
     "deepseek_v3",
 )
-SIZES = ("tiny", "small", "medium", "trained-target", "trained-draft")
+SIZES = ("tiny", "small", "medium", "trained-target", "trained-draft", "trained-moe")
 DTYPES = ("float32", "bfloat16", "float16")
 ROPE_SCALINGS = ("none", "linear", "llama3", "yarn")
 CONFIG_STYLES = ("legacy", "v5")

@@ -122,6 +122,8 @@ PRESETS: dict[str, SizePreset] = {
     # in engine/assets/trained: sized so the pair fits in ~8 MB in bfloat16.
     "trained-target": SizePreset(192, 4, 6, 2, 512, sliding_window=64),  # 3.1M parameters
     "trained-draft": SizePreset(64, 2, 4, 2, 192, sliding_window=64),  # 0.6M parameters
+    # With --arch qwen3_moe: 6 experts of 96 (2 per token) on 3 of 4 layers, 2.2M parameters.
+    "trained-moe": SizePreset(128, 4, 4, 2, 384, sliding_window=64),
 }
 
 

@@ -45,6 +45,7 @@ from torch import nn
 
 from tandem.common.model_config import ModelConfig
 from tandem.engine.attention.dense import NO_KV_CACHE, DenseCausalAttention, dense_batch_metadata
+from tandem.engine.layers.moe import FusedExperts
 from tandem.engine.models.llama import FUSED_SHARDS, LlamaForCausalLM
 from tandem.tools.checkpoint_maker import DTYPES, CheckpointSpec, hf_config, save_checkpoint
 from tandem.tools.checkpoint_tokenizer import (
@@ -55,6 +56,9 @@ from tandem.tools.checkpoint_tokenizer import (
 )
 
 INIT_STD = 0.02
+TRAINABLE_ARCHS = ("llama", "qwen3_moe")
+"""A dense Llama, and a mixture of experts (Qwen3-MoE: per-head q/k norms, experts on
+the sparse layers, trained as one product per expert)."""
 REPORT_FILE = "training.json"
 
 Log = Callable[[str], None]
@@ -180,6 +184,10 @@ class TrainingLlama(nn.Module):
         self.config = config
         self.llama = LlamaForCausalLM(config, torch.float32)
         self.llama.model.rotary.materialize(torch.device("cpu"))
+        for module in self.llama.modules():
+            if isinstance(module, FusedExperts):
+                # torch._grouped_mm has no CPU backward: one product per expert trains.
+                module._grouped = False
         self.attention = DenseCausalAttention(config.head_dim**-0.5)
         self._init_parameters(seed)
 
@@ -212,18 +220,36 @@ class TrainingLlama(nn.Module):
 def hf_views(llama: LlamaForCausalLM) -> dict[str, torch.Tensor]:
     """``llama``'s parameters under their HuggingFace checkpoint names, in parameter
     order; a fused q/k/v or gate/up matrix appears as its shards (``FUSED_SHARDS``), each
-    a view into it. The inverse of ``LlamaForCausalLM.checkpoint_targets``."""
+    a view into it, and a mixture's stacked experts as each expert's gate / up / down
+    (Qwen3-MoE's names). The inverse of ``LlamaForCausalLM.checkpoint_targets``."""
     shard_names = _shard_names()
     views: dict[str, torch.Tensor] = {}
     for name, param in llama.named_parameters():
         prefix, _, leaf = name.rpartition(".")
         module_path, _, fused = prefix.rpartition(".")
+        if prefix.endswith(".experts"):  # stacked [E, 2I, H] / [E, H, I]
+            views.update(_expert_views(prefix, leaf, param))
+            continue
         if fused not in shard_names:
             views[name] = param
             continue
         shards = param.split(llama.shard_sizes(name))
         for proj, shard in zip(shard_names[fused], shards, strict=True):
             views[f"{module_path}.{proj}.{leaf}"] = shard
+    return views
+
+
+def _expert_views(experts: str, leaf: str, param: torch.Tensor) -> dict[str, torch.Tensor]:
+    """``experts`` is ``...mlp.experts``; ``leaf`` its stacked ``gate_up_proj`` or
+    ``down_proj``."""
+    views = {}
+    for e, weight in enumerate(param):
+        if leaf == "gate_up_proj":
+            gate, up = weight.chunk(2, dim=0)
+            views[f"{experts}.{e}.gate_proj.weight"] = gate
+            views[f"{experts}.{e}.up_proj.weight"] = up
+        else:
+            views[f"{experts}.{e}.down_proj.weight"] = weight
     return views
 
 
@@ -335,7 +361,10 @@ def train(
     on ``corpus`` (default: ``load_corpus``) within ``config``'s budget; a ``teacher``
     (same vocabulary, not modified) is required exactly when ``config.distill_weight > 0``.
     The logged training loss is always the cross-entropy against the corpus."""
-    _require(spec.arch == "llama", f"training supports arch 'llama' only, not {spec.arch!r}")
+    _require(
+        spec.arch in TRAINABLE_ARCHS,
+        f"training supports arch {' or '.join(map(repr, TRAINABLE_ARCHS))}, not {spec.arch!r}",
+    )
     _require(
         (teacher is not None) == (config.distill_weight > 0),
         "a teacher is needed exactly when distill_weight > 0",
