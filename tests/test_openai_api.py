@@ -6,6 +6,7 @@ both workers."""
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -209,6 +210,67 @@ def test_errors_have_openais_shape_and_status(client: openai.OpenAI, cluster) ->
     with pytest.raises(openai.AuthenticationError):
         stranger.models.list()
     assert httpx.get(f"http://127.0.0.1:{port}/health").status_code == 200  # probes need no key
+
+
+@pytest.mark.parametrize(
+    ("path", "fields", "param"),
+    [
+        ("completions", {"max_tokens": -1}, "max_tokens"),
+        ("completions", {"max_tokens": 10**11}, "max_tokens"),
+        ("completions", {"top_k": -2}, "top_k"),
+        ("completions", {"prompt": [5, -3, 7]}, "prompt[1]"),
+        ("completions", {"prompt": "a \ud800 b"}, "prompt"),
+        ("chat/completions", {"max_completion_tokens": -3}, "max_completion_tokens"),
+        (
+            "chat/completions",
+            {"messages": [{"role": "user", "content": "x\udfff"}]},
+            "messages[0].content",
+        ),
+        ("chat/completions", {"min_tokens": -1}, "min_tokens"),
+        ("chat/completions", {"stop_token_ids": [3, -4]}, "stop_token_ids.1"),
+        ("chat/completions", {"stop": ["ok", "\ud83d"]}, "stop[1]"),
+    ],
+)
+def test_out_of_range_and_unencodable_fields_are_400s_naming_them(
+    cluster, path: str, fields: dict, param: str
+) -> None:
+    """Each of these was an HTTP 500 with a protobuf range or encoding error in the
+    router's log (issue 33's list). Sent as JSON with ASCII escapes, as a client's
+    encoder writes a lone surrogate (the openai package cannot encode one)."""
+    running, port = cluster
+    body = {"model": running.model_name, "max_tokens": 4}
+    body |= (
+        {"prompt": "hi"}
+        if path == "completions"
+        else {"messages": [{"role": "user", "content": "hi"}]}
+    )
+    response = httpx.post(
+        f"http://127.0.0.1:{port}/v1/{path}",
+        content=json.dumps(body | fields),  # ensure_ascii: "\\ud800" stays an escape
+        headers={"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"},
+        timeout=30,
+    )
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == param and error["type"] == "invalid_request_error", error
+
+
+def test_top_k_minus_one_and_zero_mean_no_top_k(client: openai.OpenAI, cluster) -> None:
+    """vLLM's spelling of "no top-k": both answer, and greedily the same as without."""
+    running, _ = cluster
+    texts = {
+        top_k: client.completions.create(
+            model=running.model_name,
+            prompt="def f(x):",
+            max_tokens=6,
+            temperature=0,
+            extra_body={} if top_k is None else {"top_k": top_k},
+        )
+        .choices[0]
+        .text
+        for top_k in (None, -1, 0)
+    }
+    assert len(set(texts.values())) == 1, texts
 
 
 SCHEMA = {

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from tandem.common.generation_config import SamplingDefaults
 from tandem.common.model_config import ModelConfig
 from tandem.common.sampling_params import SamplingParams
 from tandem.common.tokenizer import Tokenizer
@@ -208,6 +209,15 @@ def test_explicit_zeros_are_kept_not_replaced_by_defaults() -> None:
     assert params.seed == 0
 
 
+def test_top_k_zero_turns_the_filter_off_over_the_models_default() -> None:
+    """vLLM's -1 / 0 (the OpenAI front sends -1 as 0): no top-k, whatever
+    generation_config.json says; unset keeps the model's default."""
+    defaults = SamplingDefaults(top_k=20)
+    assert validate_sampling(common_pb2.SamplingParams(top_k=0), defaults).top_k is None
+    assert validate_sampling(common_pb2.SamplingParams(), defaults).top_k == 20
+    assert validate_sampling(common_pb2.SamplingParams(top_k=5), defaults).top_k == 5
+
+
 def test_floats_arrive_exactly_as_sent() -> None:
     proto = common_pb2.SamplingParams(temperature=0.7, top_p=0.123456789, min_p=1e-9)
     wire = common_pb2.SamplingParams.FromString(proto.SerializeToString())
@@ -250,7 +260,6 @@ def test_sampling_forwarded_to_workers_round_trips_exactly(params: SamplingParam
     ("proto", "message"),
     [
         (common_pb2.SamplingParams(max_tokens=0), "sampling.max_tokens must be >= 1, got 0"),
-        (common_pb2.SamplingParams(top_k=0), "sampling.top_k must be >= 1"),
         (common_pb2.SamplingParams(top_p=0.0), "sampling.top_p must be in (0, 1], got 0.0"),
         (common_pb2.SamplingParams(temperature=-1), "sampling.temperature must be >= 0"),
         (common_pb2.SamplingParams(logprobs=21), "sampling.logprobs must be in [0, 20], got 21"),

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import json
 import re
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -26,6 +26,13 @@ class Unsupported(ValueError):
     def __init__(self, param: str, message: str) -> None:
         super().__init__(message)
         self.param = param
+
+
+UINT32_MAX = 2**32 - 1
+Count = Annotated[int, Field(ge=0, le=UINT32_MAX)]
+"""A non-negative count or token id the wire carries as uint32: out of range is a 400
+naming the field (not a protobuf error and a 500)."""
+TokenCount = Annotated[int, Field(ge=1, le=UINT32_MAX)]
 
 
 class StreamOptions(BaseModel):
@@ -46,12 +53,13 @@ class _Sampling(BaseModel):
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     # extras of OpenAI-compatible servers
-    top_k: int | None = None
+    top_k: int | None = Field(None, ge=-1, le=UINT32_MAX)
+    """-1 or 0: no top-k filter, whatever the model's default (vLLM's meaning)."""
     min_p: float | None = None
     repetition_penalty: float | None = None
     ignore_eos: bool = False
-    stop_token_ids: list[int] | None = None
-    min_tokens: int | None = None
+    stop_token_ids: list[Count] | None = None
+    min_tokens: Count | None = None
     skip_special_tokens: bool | None = None
     include_stop_str_in_output: bool = False
     response_format: dict[str, Any] | None = None
@@ -63,6 +71,7 @@ class _Sampling(BaseModel):
     guided_choice: list[str] | None = None
 
     def _sampling(self, max_tokens: int | None, logprobs: int | None) -> common_pb2.SamplingParams:
+        _check_text(self.model, "model")
         if self.logit_bias:
             raise Unsupported("logit_bias", "logit_bias is not supported")
         sampling = common_pb2.SamplingParams(ignore_eos=self.ignore_eos)
@@ -73,7 +82,7 @@ class _Sampling(BaseModel):
             "max_tokens": max_tokens,
             "temperature": self.temperature,
             "top_p": self.top_p,
-            "top_k": self.top_k,
+            "top_k": None if self.top_k is None else max(self.top_k, 0),  # 0 on the wire: off
             "repetition_penalty": self.repetition_penalty,
             "logprobs": logprobs,
             "skip_special_tokens": self.skip_special_tokens,
@@ -87,7 +96,10 @@ class _Sampling(BaseModel):
                 setattr(sampling, name, value)
         sampling.include_stop_str_in_output = self.include_stop_str_in_output
         if self.stop is not None:
-            sampling.stop.extend([self.stop] if isinstance(self.stop, str) else self.stop)
+            stops = [self.stop] if isinstance(self.stop, str) else self.stop
+            for i, stop in enumerate(stops):
+                _check_text(stop, "stop" if isinstance(self.stop, str) else f"stop[{i}]")
+            sampling.stop.extend(stops)
         if self.stop_token_ids:
             sampling.stop_token_ids.extend(self.stop_token_ids)
         return sampling
@@ -162,7 +174,7 @@ def _response_format(form: dict[str, Any]) -> common_pb2.StructuredOutput | None
 
 class CompletionRequest(_Sampling):
     prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = 16
+    max_tokens: TokenCount | None = 16
     logprobs: int | None = Field(None, ge=0, le=20)
     echo: bool = False
     suffix: str | None = None
@@ -192,8 +204,8 @@ class ChatMessage(BaseModel):
 
 class ChatCompletionRequest(_Sampling):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = None
-    max_completion_tokens: int | None = None
+    max_tokens: TokenCount | None = None
+    max_completion_tokens: TokenCount | None = None
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
     add_generation_prompt: bool = True
@@ -212,6 +224,7 @@ class ChatCompletionRequest(_Sampling):
         )
         chat = generation_pb2.ChatMessages(add_generation_prompt=self.add_generation_prompt)
         for i, message in enumerate(self.messages):
+            _check_text(message.role, f"messages[{i}].role")
             chat.messages.add(role=message.role, content=_text(message.content, i))
         base = generation_pb2.GenerateRequest(
             chat=chat, sampling=self._sampling(max_tokens, logprobs)
@@ -221,12 +234,36 @@ class ChatCompletionRequest(_Sampling):
 
 def _prompts(prompt: str | list[str] | list[int] | list[list[int]]) -> list[str | list[int]]:
     if isinstance(prompt, str):
-        return [prompt]
-    if not prompt:
+        prompts: list[str | list[int]] = [prompt]
+    elif not prompt:
         raise Unsupported("prompt", "prompt is empty")
-    if all(isinstance(p, int) for p in prompt):
-        return [list(prompt)]
-    return list(prompt)
+    elif all(isinstance(p, int) for p in prompt):
+        prompts = [list(prompt)]
+    else:
+        prompts = list(prompt)
+    for i, one in enumerate(prompts):
+        where = "prompt" if len(prompts) == 1 else f"prompt[{i}]"
+        if isinstance(one, str):
+            _check_text(one, where)
+            continue
+        for j, token_id in enumerate(one):
+            if not 0 <= token_id <= UINT32_MAX:
+                raise Unsupported(
+                    f"{where}[{j}]", f"{where}[{j}] = {token_id} is not a token id (>= 0)"
+                )
+    return prompts
+
+
+def _check_text(text: str, param: str) -> None:
+    """Text the wire can carry: UTF-8, so no lone UTF-16 surrogate (JSON's "\\ud800"
+    escapes decode to one)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as err:
+        bad = text[err.start : err.end].encode("unicode_escape").decode()
+        raise Unsupported(
+            param, f"{param} holds {bad} at {err.start}, a lone surrogate: not valid text"
+        ) from None
 
 
 def _with_prompt(
@@ -244,6 +281,7 @@ def _text(content: str | list[dict[str, Any]] | None, index: int) -> str:
     if content is None:
         return ""
     if isinstance(content, str):
+        _check_text(content, f"messages[{index}].content")
         return content
     parts = []
     for part in content:
@@ -253,7 +291,9 @@ def _text(content: str | list[dict[str, Any]] | None, index: int) -> str:
                 f"content parts of type {part.get('type')!r} are not supported (text only)",
             )
         parts.append(str(part.get("text", "")))
-    return "".join(parts)
+    text = "".join(parts)
+    _check_text(text, f"messages[{index}].content")
+    return text
 
 
 FinishReason = Literal["stop", "length", "abort"]

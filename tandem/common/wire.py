@@ -67,6 +67,8 @@ def sampling_from_proto(
     if defaults is not None:
         kwargs.update(defaults.given())
     kwargs.update({f: getattr(msg, f) for f in _OPTIONAL_FIELDS if msg.HasField(f)})
+    if msg.HasField("top_k") and msg.top_k == 0:  # explicitly off, over any model default
+        kwargs["top_k"] = None
     return SamplingParams(
         stop=tuple(msg.stop),
         stop_token_ids=tuple(msg.stop_token_ids),
