@@ -154,6 +154,23 @@ class RequestValidator:
             prompt_text=text,
         )
 
+    def tokenize(
+        self, request: generation_pb2.GenerateRequest, add_special_tokens: bool | None = None
+    ) -> list[int]:
+        """The token ids ``request``'s input encodes to, as ``validate`` encodes it (or
+        with / without the special tokens when ``add_special_tokens`` says), without the
+        length check (``/tokenize``). ``InvalidRequest`` as ``validate``."""
+        _, text, token_ids = self._prompt(request)
+        if add_special_tokens is not None and text is not None:
+            token_ids = self._tokenizer.encode(text, add_special_tokens=add_special_tokens)
+        return list(token_ids)
+
+    def detokenize(self, token_ids: Sequence[int]) -> str:
+        """The text of ``token_ids``, special tokens kept (``/detokenize``); ids outside
+        the vocabulary are an ``InvalidRequest`` naming ``tokens[i]``."""
+        self._check_token_ids("tokens", token_ids)
+        return self._tokenizer.decode(token_ids, skip_special_tokens=False)
+
     def _prompt(
         self, request: generation_pb2.GenerateRequest
     ) -> tuple[str, str | None, Sequence[int]]:

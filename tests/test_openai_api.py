@@ -6,6 +6,7 @@ both workers."""
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
 import time
 from collections.abc import Callable, Iterator
@@ -271,6 +272,44 @@ def test_top_k_minus_one_and_zero_mean_no_top_k(client: openai.OpenAI, cluster) 
         for top_k in (None, -1, 0)
     }
     assert len(set(texts.values())) == 1, texts
+
+
+def _post(port: int, path: str, body: dict) -> httpx.Response:
+    headers = {"Authorization": f"Bearer {KEY}"}
+    return httpx.post(f"http://127.0.0.1:{port}{path}", json=body, headers=headers, timeout=30)
+
+
+def test_tokenize_detokenize_and_version_as_vllm_serves_them(
+    client: openai.OpenAI, cluster, model_dir: Path
+) -> None:
+    running, port = cluster
+    tokenizer = Tokenizer.from_dir(model_dir)
+    text = "def f(x):\n    return x"
+    answer = _post(port, "/tokenize", {"prompt": text, "return_token_strs": True}).json()
+    assert answer["tokens"] == tokenizer.encode(text)  # with the special tokens, as generation
+    assert answer["count"] == len(answer["tokens"]) and answer["max_model_len"] == 512
+    assert "".join(answer["token_strs"]).endswith("return x")
+    bare = _post(port, "/tokenize", {"prompt": text, "add_special_tokens": False}).json()
+    assert bare["tokens"] == tokenizer.encode(text, add_special_tokens=False)
+    back = _post(port, "/detokenize", {"tokens": bare["tokens"]}).json()
+    assert back == {"prompt": text}
+    # A chat counts what a chat completion is charged for.
+    messages = [{"role": "user", "content": "hello there"}]
+    counted = _post(port, "/tokenize", {"messages": messages}).json()["count"]
+    chat = client.chat.completions.create(model=running.model_name, messages=messages, max_tokens=1)
+    assert counted == chat.usage.prompt_tokens
+    version = httpx.get(f"http://127.0.0.1:{port}/version", timeout=10).json()["version"]
+    assert version == importlib.metadata.version("tandem")
+    # Errors name the field, as elsewhere.
+    out_of_vocab = _post(port, "/detokenize", {"tokens": [1, 10**6]})
+    assert out_of_vocab.status_code == 400
+    assert out_of_vocab.json()["error"]["param"] == "tokens[1]"
+    both = _post(port, "/tokenize", {"prompt": "a", "messages": messages})
+    assert both.status_code == 400 and both.json()["error"]["param"] == "prompt"
+    unknown = _post(port, "/tokenize", {"model": "other", "prompt": "a"})
+    assert unknown.status_code == 404
+    keyless = httpx.post(f"http://127.0.0.1:{port}/tokenize", json={"prompt": "a"}, timeout=10)
+    assert keyless.status_code == 401
 
 
 SCHEMA = {

@@ -1,8 +1,9 @@
 """The OpenAI-compatible HTTP API (``tandem router --http-port``): ``/v1/completions``,
-``/v1/chat/completions`` (with ``stream: true`` as server-sent events), ``/v1/models``
-and ``/health``, on Starlette through FastAPI, served by uvicorn in the router's own
-event loop. Every request takes the same path as a gRPC ``Generate``
-(``router.service.Generator``): validation, admission, routing, fail-over.
+``/v1/chat/completions`` (with ``stream: true`` as server-sent events), ``/v1/models``,
+vLLM's ``/tokenize``, ``/detokenize`` and ``/version``, and ``/health``, on Starlette
+through FastAPI, served by uvicorn in the router's own event loop. Every request takes
+the same path as a gRPC ``Generate`` (``router.service.Generator``): validation,
+admission, routing, fail-over.
 
 Errors have OpenAI's shape, ``{"error": {"message", "type", "param", "code"}}``: 400 for
 a bad field (named in ``param``), 401 without a valid API key, 404 for an unknown model,
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import importlib.metadata
 import json
 import time
 import uuid
@@ -32,6 +34,8 @@ from tandem.router.auth import ApiKeys
 from tandem.router.openai_api.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
     Unsupported,
 )
 from tandem.router.orchestrator import NoWorkerAvailable
@@ -135,6 +139,42 @@ def make_app(
                 }
             ],
         }
+
+    def served(model: str) -> None:
+        if model and model != generator.validator.model_name:
+            raise ApiError(404, f"the model {model!r} does not exist", "not_found_error", "model")
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest, request: Request) -> dict[str, Any]:
+        await authorize(request)
+        try:
+            proto = body.request()
+            served(body.model)
+            ids = generator.validator.tokenize(proto, body.add_special_tokens)
+        except Unsupported as err:
+            raise _invalid(str(err), err.param) from None
+        except InvalidRequest as err:
+            param = _PARAMS.get(err.field, err.field)
+            raise _invalid(f"{param} {err.problem}", param) from None
+        return {
+            "count": len(ids),
+            "max_model_len": generator.validator.max_model_len,
+            "tokens": ids,
+            "token_strs": [tokens(i) for i in ids] if body.return_token_strs else None,
+        }
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest, request: Request) -> dict[str, Any]:
+        await authorize(request)
+        served(body.model)
+        try:
+            return {"prompt": generator.validator.detokenize(body.tokens)}
+        except InvalidRequest as err:
+            raise _invalid(str(err), err.field) from None
+
+    @app.get("/version")
+    async def version() -> dict[str, str]:
+        return {"version": importlib.metadata.version("tandem")}
 
     async def answer(
         request: Request, body: CompletionRequest | ChatCompletionRequest, chat: bool

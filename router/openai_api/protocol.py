@@ -232,6 +232,43 @@ class ChatCompletionRequest(_Sampling):
         return self._choices(base)
 
 
+class TokenizeRequest(BaseModel):
+    """``POST /tokenize`` (vLLM's): a prompt, or chat messages rendered by the template."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: str = ""
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool | None = None
+    """``None``: as generation encodes (a prompt with the special tokens, a rendered chat
+    without: its template adds them)."""
+    add_generation_prompt: bool = True
+    return_token_strs: bool = False
+
+    def request(self) -> generation_pb2.GenerateRequest:
+        _check_text(self.model, "model")
+        if (self.prompt is None) == (self.messages is None):
+            raise Unsupported("prompt", "send exactly one of prompt and messages")
+        if self.prompt is not None:
+            _check_text(self.prompt, "prompt")
+            return generation_pb2.GenerateRequest(prompt=self.prompt)
+        chat = generation_pb2.ChatMessages(add_generation_prompt=self.add_generation_prompt)
+        for i, message in enumerate(self.messages or ()):
+            _check_text(message.role, f"messages[{i}].role")
+            chat.messages.add(role=message.role, content=_text(message.content, i))
+        return generation_pb2.GenerateRequest(chat=chat)
+
+
+class DetokenizeRequest(BaseModel):
+    """``POST /detokenize`` (vLLM's): token ids back to text, special tokens kept."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: str = ""
+    tokens: list[Count]
+
+
 def _prompts(prompt: str | list[str] | list[int] | list[list[int]]) -> list[str | list[int]]:
     if isinstance(prompt, str):
         prompts: list[str | list[int]] = [prompt]
