@@ -202,6 +202,9 @@ def _kubernetes(args: argparse.Namespace) -> Target:
 
 
 def _ray(args: argparse.Namespace) -> Target:
+    from tandem.ray import require_ray
+
+    require_ray("tandem planner --actuator ray")
     from tandem.planner.actuators import ClusterActuator
     from tandem.ray.cluster import RayCluster
 

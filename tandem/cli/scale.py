@@ -29,6 +29,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _run(args: argparse.Namespace) -> int:
+    from tandem.ray import require_ray
+
+    require_ray("tandem scale")
     from tandem.ray.cluster import RayCluster
 
     if args.replicas < 0:

@@ -160,6 +160,10 @@ def _run(args: argparse.Namespace) -> int:
         args.parser.error(f"{', '.join(ray_only)}: Ray settings, give --ray too")
     if on_ray and args.log_dir is not None:
         args.parser.error("--log-dir: on Ray each component logs to Ray's log folder (`ray logs`)")
+    if on_ray:
+        from tandem.ray import require_ray
+
+        require_ray("tandem serve --ray")
     model = args.model or str(default_model())
     generation_config = args.generation_config
     spec = ClusterSpec(

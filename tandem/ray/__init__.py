@@ -10,6 +10,23 @@ This package imports Ray only in ``tandem.ray.cluster`` (the driver's side) and 
 actor modules, so the CLI can parse Ray flags without it.
 """
 
+import importlib.util
+
 from tandem.ray.spec import NAMESPACE, RankResources, RaySpec
 
-__all__ = ["NAMESPACE", "RankResources", "RaySpec"]
+__all__ = ["NAMESPACE", "RankResources", "RaySpec", "require_ray"]
+
+
+def require_ray(command: str) -> None:
+    """Exits with one line naming the extra when Ray is not installed (it is optional:
+    ``pip install 'tandem[ray]'``); ``command`` is what the user ran."""
+    try:
+        found = importlib.util.find_spec("ray") is not None
+        if found:
+            import ray  # noqa: F401 - a broken install fails here, not mid-launch
+    except ImportError:
+        found = False
+    if not found:
+        raise SystemExit(
+            f"{command}: error: Ray is not installed; it is optional: pip install 'tandem[ray]'"
+        )
