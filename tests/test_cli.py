@@ -204,3 +204,49 @@ def test_serve_takes_the_redis_url_from_the_environment(monkeypatch) -> None:
     assert parse(["serve"]).redis_url == "redis://:pw@redis:6379/0"
     monkeypatch.delenv("TANDEM_REDIS_URL")
     assert parse(["serve"]).redis_url is None
+
+
+def test_serve_takes_the_model_positionally_and_vllms_engine_flags() -> None:
+    """`tandem serve MODEL --max-model-len ...` as `vllm serve` takes it: each engine flag
+    reaches every worker (as --worker-arg would pass it), which parses it into its
+    engine's config."""
+    from tandem.cli.serve import engine_flag_args
+
+    argv = ["serve", "/ckpt", "--max-model-len", "300", "--dtype", "float32"]
+    argv += ["--served-model-name", "mine", "--no-enable-prefix-caching", "--seed", "7"]
+    argv += ["--enable-chunked-prefill", "--gpu-memory-utilization", "0.5"]
+    args = build_parser().parse_args(argv)
+    assert args.model_path == "/ckpt" and args.model_name == "mine"
+    passed = engine_flag_args(args)
+    assert passed == [
+        "--dtype=float32",
+        "--max-model-len=300",
+        "--seed=7",
+        "--enable-prefix-caching=false",
+        "--enable-chunked-prefill=true",
+        "--gpu-memory-utilization=0.5",
+    ]
+    worker_args = build_parser().parse_args(["decode-worker", *SERVER, *passed])
+    settings = worker.engine_settings(worker_args)
+    assert settings == {
+        "dtype": "float32",
+        "max_model_len": 300,
+        "seed": 7,
+        "enable_prefix_caching": False,
+        "enable_chunked_prefill": True,
+        "gpu_memory_utilization": 0.5,
+    }
+    EngineConfig(model="m", **settings)  # every one is an engine field
+
+
+def test_serve_refuses_vllm_flags_it_does_not_do_by_name(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    for flag, reason in (("--swap-space", "no CPU swap space"), ("--trust-remote-code", "no code")):
+        with pytest.raises(SystemExit) as exit_info:
+            main(["serve", flag, "4"] if flag == "--swap-space" else ["serve", flag])
+        assert exit_info.value.code == 2
+        assert f"{flag}: Tandem " in (err := capsys.readouterr().err) and reason in err
+    with pytest.raises(SystemExit):
+        main(["serve", "/a", "--model", "/b"])
+    assert "two models: /a and --model /b" in capsys.readouterr().err

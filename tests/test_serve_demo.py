@@ -71,3 +71,18 @@ def _cmd(process: psutil.Process) -> str:
         return " ".join(process.cmdline())
     except psutil.Error:
         return ""
+
+
+def test_serve_as_vllm_serve_is_called(make_checkpoint) -> None:
+    """`tandem serve MODEL` with vLLM's flags: the positional model, --served-model-name,
+    and engine flags passed on to every worker (each worker parses them: a bad one
+    would stop the cluster before the answer)."""
+    port = free_port()
+    command = [sys.executable, "-m", "tandem.cli", "serve", str(make_checkpoint("qwen3"))]
+    command += ["--served-model-name", "mine", "--max-model-len", "128", "--dtype", "float32"]
+    command += ["--no-enable-prefix-caching", "--max-num-seqs", "8", "--demo"]
+    command += ["--port", str(port)]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=240)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+    assert f"tandem serving 'mine' at 127.0.0.1:{port}" in result.stdout
+    assert "48 generated" in result.stdout

@@ -43,8 +43,18 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "run a whole cluster here: embedded Redis, prefill + decode workers, the router",
         __doc__.splitlines()[0],
     )
+    serve.add_argument(
+        "model_path",
+        nargs="?",
+        metavar="MODEL",
+        help="checkpoint directory, as in `vllm serve MODEL` (same as --model)",
+    )
     serve.add_argument("--model", help="checkpoint directory (default: the built-in trained model)")
-    serve.add_argument("--model-name", help="served model name (default: the directory's name)")
+    serve.add_argument(
+        "--model-name",
+        "--served-model-name",
+        help="served model name (default: the directory's name; vLLM's --served-model-name)",
+    )
     serve.add_argument(
         "--prefill-workers", type=int, default=1, help="prefill worker processes (0: none)"
     )
@@ -146,7 +156,65 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "--num-speculative-tokens", type=positive_int, help="most drafts per step (k)"
     )
     spec.add_argument("--draft-model", help="draft checkpoint (implies --speculative-method draft)")
+    _add_engine_flags(serve)
     serve.set_defaults(run=_run)
+
+
+VLLM_REFUSED = {
+    "swap-space": "Tandem keeps no CPU swap space for KV: a preempted sequence is recomputed",
+    "trust-remote-code": "Tandem runs no code from checkpoints: its architectures are built in",
+}
+"""vLLM flags ``tandem serve`` refuses by name (with why) rather than as unknown."""
+
+
+def _add_engine_flags(serve: argparse.ArgumentParser) -> None:
+    """Every worker's engine flag, under vLLM's names, on ``tandem serve`` too: each one
+    given is passed to every worker (before ``--worker-arg``, which can still override
+    it). Flags ``serve`` has already (``--tensor-parallel-size``, ...) keep their own."""
+    from tandem.cli.worker import ENGINE_FLAGS, add_negation, boolean
+
+    taken = {action.dest for action in serve._actions}
+    group = serve.add_argument_group(
+        "engine (vLLM's flag names; passed to every worker)",
+        "Each flag given here goes to every prefill and decode worker, as --worker-arg "
+        "would pass it.",
+    )
+    for flag in ENGINE_FLAGS:
+        if flag.field in taken:
+            continue
+        switch = {"nargs": "?", "const": True} if flag.type is boolean else {}
+        group.add_argument(
+            f"--{flag.flag}",
+            dest=f"engine_{flag.field}",
+            type=flag.type,
+            choices=flag.choices,
+            metavar=flag.metavar or (None if flag.choices else flag.field.upper()),
+            help=flag.help,
+            **switch,
+        )
+        if flag.type is boolean:
+            add_negation(group, flag.flag, f"engine_{flag.field}")
+    for name, why in VLLM_REFUSED.items():
+        group.add_argument(
+            f"--{name}",
+            dest=f"refused_{name.replace('-', '_')}",
+            nargs="?",
+            const=True,
+            metavar="VALUE",
+            help=f"refused: {why}",
+        )
+
+
+def engine_flag_args(args: argparse.Namespace) -> list[str]:
+    """The worker arguments of the engine flags given to ``serve``."""
+    from tandem.cli.worker import ENGINE_FLAGS
+
+    out = []
+    for flag in ENGINE_FLAGS:
+        value = getattr(args, f"engine_{flag.field}", None)
+        if value is not None:
+            out.append(f"--{flag.flag}={str(value).lower() if isinstance(value, bool) else value}")
+    return out
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -164,6 +232,12 @@ def _run(args: argparse.Namespace) -> int:
         from tandem.ray import require_ray
 
         require_ray("tandem serve --ray")
+    for name, why in VLLM_REFUSED.items():
+        if getattr(args, f"refused_{name.replace('-', '_')}", None) is not None:
+            args.parser.error(f"--{name}: {why}")
+    if args.model_path and args.model and args.model_path != args.model:
+        args.parser.error(f"two models: {args.model_path} and --model {args.model}")
+    args.model = args.model or args.model_path
     model = args.model or str(default_model())
     generation_config = args.generation_config
     spec = ClusterSpec(
@@ -179,6 +253,7 @@ def _run(args: argparse.Namespace) -> int:
         worker_args=(
             *(() if args.model else ("--dtype", "float32")),
             *_replica_args(args),
+            *engine_flag_args(args),
             *args.worker_arg,
         ),
         prefill_args=tuple(args.prefill_worker_arg),

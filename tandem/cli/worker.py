@@ -129,6 +129,26 @@ ENGINE_FLAGS: tuple[EngineFlag, ...] = (
     ),
     EngineFlag("seed", int, "seed for requests that sample without one (default: 0)"),
     EngineFlag(
+        "enable-prefix-caching",
+        boolean,
+        "reuse the KV of cached prompt prefixes; --no-enable-prefix-caching turns it off "
+        "(default: True)",
+        metavar="{true,false}",
+    ),
+    EngineFlag(
+        "enable-chunked-prefill",
+        boolean,
+        "split long prompts over steps within --max-num-batched-tokens; "
+        "--no-enable-chunked-prefill runs each prompt whole (default: True)",
+        metavar="{true,false}",
+    ),
+    EngineFlag(
+        "gpu-memory-utilization",
+        float,
+        "on GPU, the share of free memory the KV pool takes unless --kv-cache-memory-gb is "
+        "given (default: 0.9)",
+    ),
+    EngineFlag(
         "tensor-parallel-size",
         positive_int,
         "ranks the model is split over; the worker starts ranks 1..N-1 itself, as local "
@@ -230,8 +250,17 @@ def _add_worker(subparsers: argparse._SubParsersAction, role: str) -> argparse.A
             help=spec.help,
             **switch,  # a bare --flag means true, as in vLLM
         )
+        if spec.type is boolean:
+            add_negation(group, spec.flag, spec.field)
     worker.set_defaults(run=run, role=role)
     return worker
+
+
+def add_negation(group: argparse._ArgumentGroup, flag: str, dest: str) -> None:
+    """vLLM's ``--no-FLAG`` for a switch: sets it false."""
+    group.add_argument(
+        f"--no-{flag}", dest=dest, action="store_const", const=False, help=f"--{flag} false"
+    )
 
 
 def engine_settings(args: argparse.Namespace) -> dict[str, object]:
