@@ -236,6 +236,18 @@ def test_shipped_checkpoint_loads_and_has_its_preset_shape(role: str, preset: st
 
 
 @pytest.mark.skipif(not ASSETS.exists(), reason="no trained assets in this tree")
+def test_shipped_models_run_in_float32_offline_and_served_alike() -> None:
+    """Stored bf16, run float32 by default everywhere: ``LLM(path)`` and ``tandem
+    serve`` (which passes no dtype of its own) compute in the same dtype."""
+    from tandem.engine import LLM
+
+    for role in ("target", "draft", "moe"):
+        assert ModelConfig.from_dir(ASSETS / role).dtype == "float32", role
+    llm = LLM(ASSETS / "target", num_kv_blocks=64, max_model_len=256)
+    assert llm.engine.runner.layout.dtype == torch.float32
+
+
+@pytest.mark.skipif(not ASSETS.exists(), reason="no trained assets in this tree")
 def test_shipped_pair_fits_its_size_budget_and_readme_states_its_losses() -> None:
     size = sum(f.stat().st_size for f in ASSETS.rglob("*") if f.is_file())
     assert size <= MAX_ASSET_BYTES

@@ -248,10 +248,7 @@ def _run(args: argparse.Namespace) -> int:
         host=args.host,
         redis_url=args.redis_url,
         model_name=args.model_name,
-        # The shipped weights are stored in bfloat16 to stay small; compute in float32
-        # (a later --worker-arg=--dtype=... wins).
         worker_args=(
-            *(() if args.model else ("--dtype", "float32")),
             *_replica_args(args),
             *engine_flag_args(args),
             *args.worker_arg,
