@@ -30,6 +30,9 @@ def test_serve_demo_answers_and_cleans_up() -> None:
     assert "(embedded)" in result.stdout
     assert ">>> def fibonacci(n):" in result.stdout
     assert "48 generated" in result.stdout
+    # Quiet by default: a READY line per component, no INFO chatter (--log-level INFO).
+    assert sum(" READY " in line for line in result.stdout.splitlines()) == 3
+    assert " INFO " not in result.stdout + result.stderr
     leftovers = [p.cmdline() for p in psutil.process_iter() if p.pid not in before and _is_ours(p)]
     assert leftovers == []
 

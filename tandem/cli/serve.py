@@ -111,9 +111,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     add_serve_options(serve)
     serve.add_argument(
         "--log-level",
-        default="INFO",
+        default="WARNING",
         choices=LOG_LEVELS,
-        help="every component's logging threshold (DEBUG also shows tracebacks)",
+        help="every component's logging threshold: quiet by default (warnings and errors "
+        "only, beside the start-up lines and the answer); INFO shows each component's "
+        "events, DEBUG also tracebacks; --log-dir keeps them in files",
     )
     extra = serve.add_argument_group(
         "pass-through flags", "Repeatable; each value is one flag of the component's command."
