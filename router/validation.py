@@ -142,10 +142,19 @@ class RequestValidator:
                 f"{request.model!r} is not served here (this router serves "
                 f"{self.model_name!r}); leave it empty or name the served model",
             )
-        sampling = validate_sampling(request.sampling, self.sampling_defaults)
-        self._check_token_ids("sampling.stop_token_ids", sampling.stop_token_ids)
         field, text, token_ids = self._prompt(request)
         self._check_length(field, len(token_ids))
+        proto = request.sampling
+        if field == "chat" and not proto.HasField("max_tokens"):
+            # A chat runs to its end, as in vLLM and OpenAI: the rest of the context,
+            # or the model's max_new_tokens when that is less.
+            rest = self.max_model_len - len(token_ids)
+            cap = self.sampling_defaults.max_tokens
+            proto = common_pb2.SamplingParams()
+            proto.CopyFrom(request.sampling)
+            proto.max_tokens = rest if cap is None else min(rest, cap)
+        sampling = validate_sampling(proto, self.sampling_defaults)
+        self._check_token_ids("sampling.stop_token_ids", sampling.stop_token_ids)
         return ValidatedRequest(
             request_id=request.request_id or uuid.uuid4().hex,
             prompt_token_ids=tuple(token_ids),

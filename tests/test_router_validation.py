@@ -316,3 +316,23 @@ def test_a_usable_constraint_reaches_the_workers_as_sent(validator: RequestValid
     request.sampling.structured.regex = "[a-z]+"
     validated = validator.validate(request)
     assert validated.sampling.structured.spec == "[a-z]+"
+
+
+def test_a_chat_without_max_tokens_runs_to_the_end_of_the_context(model_dir: Path) -> None:
+    """As vLLM and OpenAI: a chat's max_tokens left out is the rest of the context (or
+    the model's max_new_tokens when that is less); a text prompt's stays 16."""
+    validator = RequestValidator.from_dir(model_dir, MODEL, max_model_len=300)
+    conversation = chat(("user", "hello there"))
+    chat_request = validator.validate(request(chat=conversation))
+    assert chat_request.sampling.max_tokens == 300 - chat_request.num_prompt_tokens
+    given = common_pb2.SamplingParams(max_tokens=9)
+    assert validator.validate(request(chat=conversation, sampling=given)).sampling.max_tokens == 9
+    assert validator.validate(request(prompt="hello")).sampling.max_tokens == 16
+    capped = RequestValidator(
+        MODEL,
+        Tokenizer.from_dir(model_dir),
+        ModelConfig.from_dir(model_dir),
+        300,
+        SamplingDefaults(max_tokens=5),
+    )
+    assert capped.validate(request(chat=conversation)).sampling.max_tokens == 5
