@@ -19,7 +19,7 @@ import importlib.metadata
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any
 
 import grpc
@@ -140,6 +140,44 @@ def make_app(
             ],
         }
 
+    _add_token_endpoints(app, generator, authorize, tokens)
+
+    async def answer(
+        request: Request, body: CompletionRequest | ChatCompletionRequest, chat: bool
+    ) -> Response:
+        await authorize(request)
+        try:
+            choices = body.requests()
+        except Unsupported as err:
+            raise _invalid(str(err), err.param) from None
+        if not chat:  # one list of choices per prompt of the batch
+            choices = [c for per_prompt in choices for c in per_prompt]
+        prefix = "chatcmpl" if chat else "cmpl"
+        answer = _Answer(generator, tokens, prefix, body.model, chat=chat, n=body.n)
+        admitted = answer.admit(choices)
+        if body.stream:
+            return await answer.stream(request, admitted, body.include_usage)
+        return await answer.whole(request, admitted)
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request) -> Response:
+        return await answer(request, body, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+        return await answer(request, body, chat=True)
+
+    return app
+
+
+def _add_token_endpoints(
+    app: FastAPI,
+    generator: Generator,
+    authorize: Callable[[Request], Awaitable[None]],
+    tokens: _TokenText,
+) -> None:
+    """vLLM's ``/tokenize``, ``/detokenize`` and ``/version``."""
+
     def served(model: str) -> None:
         if model and model != generator.validator.model_name:
             raise ApiError(404, f"the model {model!r} does not exist", "not_found_error", "model")
@@ -175,33 +213,6 @@ def make_app(
     @app.get("/version")
     async def version() -> dict[str, str]:
         return {"version": importlib.metadata.version("tandem")}
-
-    async def answer(
-        request: Request, body: CompletionRequest | ChatCompletionRequest, chat: bool
-    ) -> Response:
-        await authorize(request)
-        try:
-            choices = body.requests()
-        except Unsupported as err:
-            raise _invalid(str(err), err.param) from None
-        if not chat:  # one list of choices per prompt of the batch
-            choices = [c for per_prompt in choices for c in per_prompt]
-        prefix = "chatcmpl" if chat else "cmpl"
-        answer = _Answer(generator, tokens, prefix, body.model, chat=chat, n=body.n)
-        admitted = answer.admit(choices)
-        if body.stream:
-            return await answer.stream(request, admitted, body.include_usage)
-        return await answer.whole(request, admitted)
-
-    @app.post("/v1/completions")
-    async def completions(body: CompletionRequest, request: Request) -> Response:
-        return await answer(request, body, chat=False)
-
-    @app.post("/v1/chat/completions")
-    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
-        return await answer(request, body, chat=True)
-
-    return app
 
 
 class _TokenText:

@@ -207,6 +207,17 @@ def _add_engine_flags(serve: argparse.ArgumentParser) -> None:
         )
 
 
+def _model_argument(args: argparse.Namespace) -> str | None:
+    """The model given positionally or by ``--model`` (not both); a refused vLLM flag is
+    a usage error first."""
+    for name, why in VLLM_REFUSED.items():
+        if getattr(args, f"refused_{name.replace('-', '_')}", None) is not None:
+            args.parser.error(f"--{name}: {why}")
+    if args.model_path and args.model and args.model_path != args.model:
+        args.parser.error(f"two models: {args.model_path} and --model {args.model}")
+    return args.model or args.model_path
+
+
 def engine_flag_args(args: argparse.Namespace) -> list[str]:
     """The worker arguments of the engine flags given to ``serve``."""
     from tandem.cli.worker import ENGINE_FLAGS
@@ -234,12 +245,7 @@ def _run(args: argparse.Namespace) -> int:
         from tandem.ray import require_ray
 
         require_ray("tandem serve --ray")
-    for name, why in VLLM_REFUSED.items():
-        if getattr(args, f"refused_{name.replace('-', '_')}", None) is not None:
-            args.parser.error(f"--{name}: {why}")
-    if args.model_path and args.model and args.model_path != args.model:
-        args.parser.error(f"two models: {args.model_path} and --model {args.model}")
-    args.model = args.model or args.model_path
+    args.model = _model_argument(args)
     model = args.model or str(default_model())
     generation_config = args.generation_config
     spec = ClusterSpec(
