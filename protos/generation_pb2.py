@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from tandem.protos import common_pb2 as tandem_dot_protos_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1etandem/protos/generation.proto\x12\ttandem.v1\x1a\x1atandem/protos/common.proto\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"v\n\x0c\x43hatMessages\x12(\n\x08messages\x18\x01 \x03(\x0b\x32\x16.tandem.v1.ChatMessage\x12\"\n\x15\x61\x64\x64_generation_prompt\x18\x02 \x01(\x08H\x00\x88\x01\x01\x42\x18\n\x16_add_generation_prompt\"\xe1\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x10\n\x06prompt\x18\x03 \x01(\tH\x00\x12(\n\ttoken_ids\x18\x04 \x01(\x0b\x32\x13.tandem.v1.TokenIdsH\x00\x12\'\n\x04\x63hat\x18\x05 \x01(\x0b\x32\x17.tandem.v1.ChatMessagesH\x00\x12+\n\x08sampling\x18\x06 \x01(\x0b\x32\x19.tandem.v1.SamplingParams\x12\x10\n\x08priority\x18\x07 \x01(\x05\x42\x07\n\x05input\"W\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x03 \x01(\r\"\xc4\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12.\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x17.tandem.v1.FinishReason\x12*\n\x08logprobs\x18\x05 \x03(\x0b\x32\x18.tandem.v1.TokenLogprobs\x12\x1f\n\x05usage\x18\x06 \x01(\x0b\x32\x10.tandem.v1.Usage\"\x13\n\x11ListModelsRequest\"}\n\tModelInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\r\x12\x12\n\nvocab_size\x18\x03 \x01(\r\x12\x1b\n\x13num_prefill_workers\x18\x04 \x01(\r\x12\x1a\n\x12num_decode_workers\x18\x05 \x01(\r\":\n\x12ListModelsResponse\x12$\n\x06models\x18\x01 \x03(\x0b\x32\x14.tandem.v1.ModelInfo2\x9e\x01\n\nGeneration\x12\x45\n\x08Generate\x12\x1a.tandem.v1.GenerateRequest\x1a\x1b.tandem.v1.GenerateResponse0\x01\x12I\n\nListModels\x12\x1c.tandem.v1.ListModelsRequest\x1a\x1d.tandem.v1.ListModelsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1etandem/protos/generation.proto\x12\ttandem.v1\x1a\x1atandem/protos/common.proto\"i\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\x12\x17\n\x0ftool_calls_json\x18\x03 \x01(\t\x12\x14\n\x0ctool_call_id\x18\x04 \x01(\t\x12\x0c\n\x04name\x18\x05 \x01(\t\"\xa8\x01\n\x0c\x43hatMessages\x12(\n\x08messages\x18\x01 \x03(\x0b\x32\x16.tandem.v1.ChatMessage\x12\"\n\x15\x61\x64\x64_generation_prompt\x18\x02 \x01(\x08H\x00\x88\x01\x01\x12\x12\n\ntools_json\x18\x03 \x01(\t\x12\x1c\n\x14template_kwargs_json\x18\x04 \x01(\tB\x18\n\x16_add_generation_prompt\"\xe1\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x10\n\x06prompt\x18\x03 \x01(\tH\x00\x12(\n\ttoken_ids\x18\x04 \x01(\x0b\x32\x13.tandem.v1.TokenIdsH\x00\x12\'\n\x04\x63hat\x18\x05 \x01(\x0b\x32\x17.tandem.v1.ChatMessagesH\x00\x12+\n\x08sampling\x18\x06 \x01(\x0b\x32\x19.tandem.v1.SamplingParams\x12\x10\n\x08priority\x18\x07 \x01(\x05\x42\x07\n\x05input\"W\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x03 \x01(\r\"\xc4\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12.\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x17.tandem.v1.FinishReason\x12*\n\x08logprobs\x18\x05 \x03(\x0b\x32\x18.tandem.v1.TokenLogprobs\x12\x1f\n\x05usage\x18\x06 \x01(\x0b\x32\x10.tandem.v1.Usage\"\x13\n\x11ListModelsRequest\"}\n\tModelInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\r\x12\x12\n\nvocab_size\x18\x03 \x01(\r\x12\x1b\n\x13num_prefill_workers\x18\x04 \x01(\r\x12\x1a\n\x12num_decode_workers\x18\x05 \x01(\r\":\n\x12ListModelsResponse\x12$\n\x06models\x18\x01 \x03(\x0b\x32\x14.tandem.v1.ModelInfo2\x9e\x01\n\nGeneration\x12\x45\n\x08Generate\x12\x1a.tandem.v1.GenerateRequest\x1a\x1b.tandem.v1.GenerateResponse0\x01\x12I\n\nListModels\x12\x1c.tandem.v1.ListModelsRequest\x1a\x1d.tandem.v1.ListModelsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,21 +33,21 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'tandem.protos.generation_pb
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_CHATMESSAGE']._serialized_start=73
-  _globals['_CHATMESSAGE']._serialized_end=117
-  _globals['_CHATMESSAGES']._serialized_start=119
-  _globals['_CHATMESSAGES']._serialized_end=237
-  _globals['_GENERATEREQUEST']._serialized_start=240
-  _globals['_GENERATEREQUEST']._serialized_end=465
-  _globals['_USAGE']._serialized_start=467
-  _globals['_USAGE']._serialized_end=554
-  _globals['_GENERATERESPONSE']._serialized_start=557
-  _globals['_GENERATERESPONSE']._serialized_end=753
-  _globals['_LISTMODELSREQUEST']._serialized_start=755
-  _globals['_LISTMODELSREQUEST']._serialized_end=774
-  _globals['_MODELINFO']._serialized_start=776
-  _globals['_MODELINFO']._serialized_end=901
-  _globals['_LISTMODELSRESPONSE']._serialized_start=903
-  _globals['_LISTMODELSRESPONSE']._serialized_end=961
-  _globals['_GENERATION']._serialized_start=964
-  _globals['_GENERATION']._serialized_end=1122
+  _globals['_CHATMESSAGE']._serialized_end=178
+  _globals['_CHATMESSAGES']._serialized_start=181
+  _globals['_CHATMESSAGES']._serialized_end=349
+  _globals['_GENERATEREQUEST']._serialized_start=352
+  _globals['_GENERATEREQUEST']._serialized_end=577
+  _globals['_USAGE']._serialized_start=579
+  _globals['_USAGE']._serialized_end=666
+  _globals['_GENERATERESPONSE']._serialized_start=669
+  _globals['_GENERATERESPONSE']._serialized_end=865
+  _globals['_LISTMODELSREQUEST']._serialized_start=867
+  _globals['_LISTMODELSREQUEST']._serialized_end=886
+  _globals['_MODELINFO']._serialized_start=888
+  _globals['_MODELINFO']._serialized_end=1013
+  _globals['_LISTMODELSRESPONSE']._serialized_start=1015
+  _globals['_LISTMODELSRESPONSE']._serialized_end=1073
+  _globals['_GENERATION']._serialized_start=1076
+  _globals['_GENERATION']._serialized_end=1234
 # @@protoc_insertion_point(module_scope)

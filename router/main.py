@@ -75,6 +75,10 @@ class RouterOptions:
     drain_timeout_s: float = 25.0
     """On SIGTERM: how long client streams in flight may still run (new ones are refused
     and readiness turns ``NOT_SERVING`` at once)."""
+    chat_template: str | None = None
+    """A chat template replacing the checkpoint's: a file's path or the template itself."""
+    tool_call_parser: str | None = None
+    """How ``tool_choice: auto`` finds calls in the output (``None``: auto is refused)."""
 
 
 @dataclass
@@ -120,7 +124,7 @@ async def _start_http(
     from tandem.router.openai_api.app import make_app
     from tandem.router.openai_api.server import HttpServer
 
-    app = make_app(generator, options.api_keys, limiter, ready)
+    app = make_app(generator, options.api_keys, limiter, ready, options.tool_call_parser)
     http = HttpServer(app, options.host, options.http_port, options.tls, options.drain_timeout_s)
     await http.start()
     scheme = "http" if options.tls is None else "https"
@@ -142,6 +146,7 @@ async def run(
         options.max_model_len,
         options.generation_config,
         lambda: workers_max_model_len(watcher),
+        options.chat_template,
     )
     stop = stop or stop_on_signals()
     clients = WorkerClients(options.internal_tls)

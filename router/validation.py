@@ -18,6 +18,8 @@ request leaves unset, so the workers get every field resolved.
 
 from __future__ import annotations
 
+import contextlib
+import json
 import math
 import uuid
 from collections.abc import Callable, Sequence
@@ -28,7 +30,7 @@ from tandem.common.constraints import check_constraint
 from tandem.common.generation_config import AUTO, SamplingDefaults, load_sampling_defaults
 from tandem.common.model_config import ModelConfig
 from tandem.common.sampling_params import SamplingParams
-from tandem.common.tokenizer import ChatTemplateError, Tokenizer
+from tandem.common.tokenizer import ChatTemplateError, Tokenizer, read_chat_template
 from tandem.common.wire import sampling_from_proto
 from tandem.protos import common_pb2, generation_pb2
 
@@ -114,12 +116,16 @@ class RequestValidator:
         max_model_len: int | None = None,
         generation_config: str = AUTO,
         workers_max_model_len: Callable[[], int | None] = lambda: None,
+        chat_template: str | None = None,
     ) -> RequestValidator:
         """Read the tokenizer, config and sampling defaults (``generation_config``: see
-        ``load_sampling_defaults``) from a HF checkpoint directory."""
+        ``load_sampling_defaults``) from a HF checkpoint directory; ``chat_template``
+        (``--chat-template``: a file or the template itself) replaces the checkpoint's."""
         config = ModelConfig.from_dir(model_dir)
         defaults = load_sampling_defaults(generation_config, model_dir)
         tokenizer = Tokenizer.from_dir(model_dir)
+        if chat_template is not None:
+            tokenizer = tokenizer.with_chat_template(read_chat_template(chat_template))
         return cls(model_name, tokenizer, config, max_model_len, defaults, workers_max_model_len)
 
     @property
@@ -212,9 +218,18 @@ class RequestValidator:
         add_generation_prompt = (
             chat.add_generation_prompt if chat.HasField("add_generation_prompt") else True
         )
-        messages = [(m.role, m.content) for m in chat.messages]
+        messages = [_chat_message(i, m) for i, m in enumerate(chat.messages)]
+        tools = _json_field("chat.tools_json", chat.tools_json, list)
+        kwargs = _json_field("chat.template_kwargs_json", chat.template_kwargs_json, dict)
+        reserved = {"messages", "tools", "add_generation_prompt"}.intersection(kwargs or ())
+        if reserved:
+            raise InvalidRequest(
+                "chat.template_kwargs_json", f"may not set {', '.join(sorted(reserved))}"
+            )
         try:
-            return self._tokenizer.apply_chat_template(messages, add_generation_prompt)
+            return self._tokenizer.apply_chat_template(
+                messages, add_generation_prompt, tools, **(kwargs or {})
+            )
         except ChatTemplateError as err:
             raise InvalidRequest("chat.messages", f"were rejected: {err}") from err
 
@@ -263,3 +278,42 @@ def validate_sampling(
         name, _, problem = str(err).partition(" ")
         raise InvalidRequest(f"sampling.{name}", problem) from err
     return sampling
+
+
+def _chat_message(index: int, message: generation_pb2.ChatMessage) -> dict[str, object]:
+    """A message as chat templates read it. A tool call's ``arguments`` (JSON text on
+    the wire, as OpenAI sends them) become an object, as HF templates expect."""
+    out: dict[str, object] = {"role": message.role, "content": message.content}
+    where = f"chat.messages[{index}]"
+    calls = _json_field(f"{where}.tool_calls_json", message.tool_calls_json, list)
+    if calls is not None:
+        for j, call in enumerate(calls):
+            function = call.get("function") if isinstance(call, dict) else None
+            if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+                raise InvalidRequest(
+                    f"{where}.tool_calls[{j}]", "needs function.name, the function called"
+                )
+            arguments = function.get("arguments")
+            if isinstance(arguments, str):  # left as written when it is not JSON
+                with contextlib.suppress(json.JSONDecodeError):
+                    function["arguments"] = json.loads(arguments) if arguments.strip() else {}
+        out["tool_calls"] = calls
+    if message.tool_call_id:
+        out["tool_call_id"] = message.tool_call_id
+    if message.name:
+        out["name"] = message.name
+    return out
+
+
+def _json_field(field: str, text: str, kind: type) -> object | None:
+    """A JSON field of the wire (``None`` when empty) that must decode to ``kind``."""
+    if not text:
+        return None
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as err:
+        raise InvalidRequest(field, f"is not JSON: {err}") from None
+    if not isinstance(value, kind):
+        expected = "an array" if kind is list else "an object"
+        raise InvalidRequest(field, f"must be a JSON {expected}")
+    return value

@@ -250,3 +250,33 @@ def test_serve_refuses_vllm_flags_it_does_not_do_by_name(
     with pytest.raises(SystemExit):
         main(["serve", "/a", "--model", "/b"])
     assert "two models: /a and --model /b" in capsys.readouterr().err
+
+
+def test_chat_template_and_tool_flags_reach_the_router(
+    tmp_path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`tandem serve` hands vLLM's chat and tool flags to the router, a template file by
+    its absolute path; the router takes auto tool choice only with a parser."""
+    from tandem.cli.router import router_options
+    from tandem.cli.serve import _chat_args
+
+    template = tmp_path / "t.jinja"
+    template.write_text("{{ messages }}")
+    argv = ["serve", "--chat-template", str(template), "--enable-auto-tool-choice"]
+    args = build_parser().parse_args([*argv, "--tool-call-parser", "llama3_json"])
+    passed = _chat_args(args)
+    assert passed == [
+        f"--chat-template={template}",
+        "--enable-auto-tool-choice",
+        "--tool-call-parser=llama3_json",
+    ]
+    router = build_parser().parse_args(["router", *SERVER, *passed])
+    options = router_options(router)
+    assert (options.chat_template, options.tool_call_parser) == (str(template), "llama3_json")
+    for lonely in (["--enable-auto-tool-choice"], ["--tool-call-parser", "hermes"]):
+        with pytest.raises(SystemExit):
+            router_options(build_parser().parse_args(["router", *SERVER, *lonely]))
+        assert "needs --" in capsys.readouterr().err
+    assert "invalid choice: 'pythonic'" in _parse_error(
+        ["router", *SERVER, "--tool-call-parser", "pythonic"], capsys
+    )

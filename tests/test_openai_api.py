@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import importlib.metadata
 import json
+import re
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import httpx
+import jsonschema
 import openai
 import pytest
 
@@ -48,6 +50,7 @@ def cluster(
         router_args=(
             *("--http-port", str(http_port), "--disaggregation-min-tokens", "16"),
             *("--max-model-len", "512"),
+            *("--enable-auto-tool-choice", "--tool-call-parser", "hermes"),
         ),
         api_keys=(KEY,),
         # 30 ms per decode step: a 450-token answer takes over 13 s, so the disconnect
@@ -424,3 +427,194 @@ def test_a_client_that_disconnects_frees_the_kv_on_both_workers(cluster) -> None
             break
         assert time.monotonic() < deadline, f"still held after the disconnect: {busy}"
         time.sleep(0.2)
+
+
+# --- tool calling ----------------------------------------------------------------------
+
+WEATHER = {
+    "type": "object",
+    "properties": {
+        "city": {"type": "string", "enum": ["Paris", "Lyon", "Rome"]},
+        "unit": {"type": "string", "enum": ["C", "F"]},
+    },
+    "required": ["city", "unit"],
+    "additionalProperties": False,
+}
+TOOLS = [
+    {"type": "function", "function": {"name": "get_weather", "description": "Weather now",
+                                      "parameters": WEATHER}},
+    {"type": "function", "function": {"name": "now", "parameters": {
+        "type": "object", "properties": {}, "additionalProperties": False}}},
+]  # fmt: skip
+SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
+ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
+
+
+def _streamed_calls(stream) -> tuple[str, list[dict], str | None]:
+    """Content, calls and finish reason of a streamed chat, accumulated as a client does."""
+    content, calls, finish = "", {}, None
+    for chunk in stream:
+        if not chunk.choices:
+            continue
+        choice = chunk.choices[0]
+        content += choice.delta.content or ""
+        for delta in choice.delta.tool_calls or ():
+            call = calls.setdefault(delta.index, {"id": None, "name": None, "arguments": ""})
+            call["id"] = delta.id or call["id"]
+            call["name"] = delta.function.name or call["name"]
+            call["arguments"] += delta.function.arguments or ""
+        finish = choice.finish_reason or finish
+    return content, [calls[i] for i in sorted(calls)], finish
+
+
+def _calls(message) -> list[dict]:
+    return [
+        {"id": c.id, "name": c.function.name, "arguments": c.function.arguments}
+        for c in message.tool_calls or ()
+    ]
+
+
+def _valid(calls: list[dict]) -> None:
+    assert calls
+    for call in calls:
+        assert call["id"].startswith("call_")
+        jsonschema.validate(json.loads(call["arguments"]), SCHEMAS[call["name"]])
+
+
+@pytest.mark.parametrize("parallel", [False, True])
+def test_required_tool_choice_makes_valid_calls(client: openai.OpenAI, cluster, parallel) -> None:
+    """A random model held to the functions' schemas: every call names a given function
+    with valid arguments, whole and streamed alike (greedy)."""
+    running, _ = cluster
+    kwargs = dict(
+        model=running.model_name, messages=ASK, tools=TOOLS, tool_choice="required",
+        parallel_tool_calls=parallel, temperature=0, max_tokens=300,
+    )  # fmt: skip
+    whole = client.chat.completions.create(**kwargs).choices[0]
+    calls = _calls(whole.message)
+    _valid(calls)
+    if parallel:  # this model goes on calling until the length limit cuts it short
+        assert len(calls) > 1 and whole.finish_reason == "length"
+    else:
+        assert len(calls) == 1 and whole.finish_reason == "tool_calls"
+        assert whole.message.content is None
+    content, streamed, finish = _streamed_calls(
+        client.chat.completions.create(**kwargs, stream=True)
+    )
+    assert (content, finish) == (whole.message.content or "", whole.finish_reason)
+    assert [(c["name"], json.loads(c["arguments"])) for c in streamed] == [
+        (c["name"], json.loads(c["arguments"])) for c in calls
+    ]
+
+
+def test_a_named_tool_choice_streams_the_arguments(client: openai.OpenAI, cluster) -> None:
+    running, _ = cluster
+    kwargs = dict(
+        model=running.model_name, messages=ASK, tools=TOOLS, temperature=0, max_tokens=100,
+        tool_choice={"type": "function", "function": {"name": "get_weather"}},
+    )  # fmt: skip
+    whole = client.chat.completions.create(**kwargs).choices[0]
+    assert whole.finish_reason == "stop"  # the caller's choice, as OpenAI answers it
+    (call,) = _calls(whole.message)
+    _valid([call])
+    assert call["name"] == "get_weather"
+    pieces = [
+        d.function.arguments
+        for chunk in client.chat.completions.create(**kwargs, stream=True)
+        for d in (chunk.choices[0].delta.tool_calls or () if chunk.choices else ())
+    ]
+    assert len(pieces) > 2 and "".join(pieces) == call["arguments"]  # streamed as written
+
+
+def test_auto_tool_choice_parses_hermes_calls(client: openai.OpenAI, cluster) -> None:
+    """``auto`` reads the model's output with --tool-call-parser hermes. A random model
+    writes no call of its own, so a regex makes it write one (the constraint shapes the
+    raw text; the parser does the rest, as for a model that chose to call)."""
+    running, _ = cluster
+    said = (
+        'Let me look.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Rome", '
+        '"unit": "C"}}\n</tool_call>\n<tool_call>\n{"name": "now", "arguments": {}}\n</tool_call>'
+    )
+    kwargs = dict(
+        model=running.model_name, messages=ASK, tools=TOOLS, temperature=0, max_tokens=200,
+        extra_body={"guided_regex": re.escape(said)},
+    )  # fmt: skip
+    whole = client.chat.completions.create(**kwargs).choices[0]
+    expected = [("get_weather", {"city": "Rome", "unit": "C"}), ("now", {})]
+    assert whole.finish_reason == "tool_calls" and whole.message.content == "Let me look."
+    assert [(c["name"], json.loads(c["arguments"])) for c in _calls(whole.message)] == expected
+    content, calls, finish = _streamed_calls(client.chat.completions.create(**kwargs, stream=True))
+    assert (content, finish) == ("Let me look.", "tool_calls")
+    assert [(c["name"], json.loads(c["arguments"])) for c in calls] == expected
+    assert len({c["id"] for c in calls}) == 2
+
+
+def test_auto_without_a_call_is_plain_text_with_the_tools_in_the_prompt(
+    client: openai.OpenAI, cluster, offline: LLM
+) -> None:
+    running, port = cluster
+    counted = _post(port, "/tokenize", {"messages": ASK, "tools": TOOLS}).json()["tokens"]
+    bare = _post(port, "/tokenize", {"messages": ASK}).json()["tokens"]
+    assert len(counted) > len(bare) + 50  # the tools are listed for the model
+    _, text = _greedy(offline, counted)
+    for tool_choice in ("auto", "none"):
+        answer = client.chat.completions.create(
+            model=running.model_name, messages=ASK, tools=TOOLS, tool_choice=tool_choice,
+            max_tokens=NEW, temperature=0, extra_body={"ignore_eos": True},
+        )  # fmt: skip
+        assert answer.choices[0].message.content == text
+        assert not answer.choices[0].message.tool_calls
+        assert answer.usage.prompt_tokens == len(counted)
+
+
+def test_tool_results_go_back_through_the_template(
+    client: openai.OpenAI, cluster, model_dir: Path
+) -> None:
+    """A conversation with the assistant's calls (arguments as JSON text, as the client
+    sends them) and the tools' answers: the prompt is the one transformers renders."""
+    transformers = pytest.importorskip("transformers")
+    running, port = cluster
+    call = {
+        "id": "call_1",
+        "type": "function",
+        "function": {"name": "get_weather", "arguments": '{"city": "Rome", "unit": "C"}'},
+    }
+    messages = [
+        *ASK,
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "21 C, sunny"},
+    ]  # fmt: skip
+    ours = _post(port, "/tokenize", {"messages": messages, "tools": TOOLS}).json()["tokens"]
+    hf_messages = json.loads(json.dumps(messages))
+    hf_messages[1]["tool_calls"][0]["function"]["arguments"] = {"city": "Rome", "unit": "C"}
+    hf_messages[1]["content"] = ""
+    hf = transformers.AutoTokenizer.from_pretrained(model_dir)
+    text = hf.apply_chat_template(
+        hf_messages, tools=TOOLS, tokenize=False, add_generation_prompt=True
+    )
+    assert "<tool_response>\n21 C, sunny\n</tool_response>" in text
+    assert ours == hf(text, add_special_tokens=False).input_ids
+    answer = client.chat.completions.create(
+        model=running.model_name, messages=messages, tools=TOOLS, tool_choice="none", max_tokens=4
+    )
+    assert answer.usage.prompt_tokens == len(ours)
+
+
+def test_tool_errors_name_the_field(client: openai.OpenAI, cluster) -> None:
+    running, _ = cluster
+    cases = [
+        ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "x"}}},
+         "tool_choice.function.name"),
+        ({"tool_choice": "required"}, "tool_choice"),
+        ({"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}},
+         "tool_choice"),
+        ({"tools": [{"type": "function", "function": {"name": "f", "parameters": 3}}],
+          "tool_choice": "required"}, "tools[0].function.parameters"),
+        ({"messages": [{"role": "assistant", "tool_calls": [{"function": {}}]}]},
+         "messages[0].tool_calls[0]"),
+    ]  # fmt: skip
+    for body, param in cases:
+        fields = {"messages": ASK, **body}
+        with pytest.raises(openai.BadRequestError) as bad:
+            client.chat.completions.create(model=running.model_name, max_tokens=4, **fields)
+        assert bad.value.body["param"] == param, bad.value.body

@@ -336,3 +336,47 @@ def test_a_chat_without_max_tokens_runs_to_the_end_of_the_context(model_dir: Pat
         SamplingDefaults(max_tokens=5),
     )
     assert capped.validate(request(chat=conversation)).sampling.max_tokens == 5
+
+
+def test_grpc_chat_carries_tools_calls_and_template_kwargs(
+    validator: RequestValidator, tokenizer: Tokenizer
+) -> None:
+    """What the OpenAI layer sends over the wire, a gRPC client can send too."""
+    tools = [{"type": "function", "function": {"name": "now", "parameters": {"type": "object"}}}]
+    turns = chat(("user", "Time?"))
+    turns.tools_json = json.dumps(tools)
+    call = {"id": "c", "type": "function", "function": {"name": "now", "arguments": "{}"}}
+    turns.messages.add(role="assistant", tool_calls_json=json.dumps([call]))
+    turns.messages.add(role="tool", content="12:00", tool_call_id="c", name="now")
+    out = validator.validate(request(chat=turns))
+    call["function"]["arguments"] = {}  # templates get the arguments as an object
+    expected = tokenizer.apply_chat_template(
+        [
+            {"role": "user", "content": "Time?"},
+            {"role": "assistant", "content": "", "tool_calls": [call]},
+            {"role": "tool", "content": "12:00", "tool_call_id": "c", "name": "now"},
+        ],
+        tools=tools,
+    )
+    assert out.prompt_text == expected
+    assert '{"name": "now", "arguments": {}}' in expected and "<tool_response>\n12:00" in expected
+
+
+@pytest.mark.parametrize(
+    ("edit", "field"),
+    [
+        (lambda c: setattr(c, "tools_json", "[{"), "chat.tools_json"),
+        (lambda c: setattr(c, "tools_json", "{}"), "chat.tools_json"),
+        (lambda c: setattr(c, "template_kwargs_json", "[]"), "chat.template_kwargs_json"),
+        (lambda c: setattr(c, "template_kwargs_json", '{"messages": []}'),
+         "chat.template_kwargs_json"),
+        (lambda c: setattr(c.messages[0], "tool_calls_json", '[{"function": {}}]'),
+         "chat.messages[0].tool_calls[0]"),
+    ],
+)  # fmt: skip
+def test_malformed_tool_fields_are_refused_by_name(
+    validator: RequestValidator, edit, field: str
+) -> None:
+    turns = chat(("user", "Hi"))
+    edit(turns)
+    assert refusal(validator, request(chat=turns)).field == field

@@ -118,6 +118,95 @@ def test_chat_template_matches_transformers(
     assert ours.endswith("<|im_start|>assistant\n") == add_generation_prompt
 
 
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "The weather now in a city",
+            "parameters": {
+                "type": "object",
+                "properties": {"city": {"type": "string"}, "unit": {"enum": ["C", "F"]}},
+                "required": ["city"],
+            },
+        },
+    },
+    {"type": "function", "function": {"name": "now", "parameters": {"type": "object"}}},
+]
+TOOL_CHAT = [
+    {"role": "system", "content": "Be brief."},
+    {"role": "user", "content": "Weather in Paris and Lyon, and the time?"},
+    {
+        "role": "assistant",
+        "content": "",
+        "tool_calls": [
+            {"id": "a", "type": "function", "function": {"name": "get_weather",
+                                                         "arguments": {"city": "Paris"}}},
+            {"id": "b", "type": "function", "function": {"name": "get_weather",
+                                                         "arguments": {"city": "Lyon"}}},
+        ],
+    },
+    {"role": "tool", "tool_call_id": "a", "content": "18 C"},
+    {"role": "tool", "tool_call_id": "b", "content": "20 C"},
+    {"role": "assistant", "content": "Checking the time.", "tool_calls": [
+        {"id": "c", "type": "function", "function": {"name": "now", "arguments": {}}}
+    ]},
+    {"role": "tool", "tool_call_id": "c", "content": "12:00"},
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("with_system", [True, False])
+def test_tools_render_as_transformers_renders_them(tok: Tokenizer, hf_tok, with_system) -> None:
+    """Tools listed in the system turn, calls as <tool_call> blocks, results as
+    <tool_response> blocks of one user turn: the same text as transformers renders."""
+    chat = TOOL_CHAT if with_system else TOOL_CHAT[1:]
+    ours = tok.apply_chat_template(chat, tools=TOOLS)
+    theirs = hf_tok.apply_chat_template(
+        chat, tools=TOOLS, tokenize=False, add_generation_prompt=True
+    )
+    assert ours == theirs
+    assert ours.count('<tool_call>\n{"name": "') == 3  # the instructions show the form
+    assert ours.count("<tool_response>") == 3
+    assert '{"name": "get_weather", "arguments": {"city": "Lyon"}}' in ours
+    assert ours.count("<|im_start|>system") == 1
+    assert ("Be brief." in ours) == with_system
+    # Without tools the same template is plain ChatML.
+    assert tok.apply_chat_template(CHAT) == hf_tok.apply_chat_template(
+        CHAT, tokenize=False, add_generation_prompt=True
+    )
+
+
+def test_template_kwargs_reach_the_template(model_dir: Path, tmp_path: Path) -> None:
+    tok = Tokenizer.from_dir(model_dir).with_chat_template(
+        "{% for m in messages %}{{ m.content }}{% endfor %}"
+        "{% if enable_thinking is defined and not enable_thinking %} /no_think{% endif %}"
+    )
+    assert tok.apply_chat_template(CHAT[:1]) == "You are terse."
+    assert tok.apply_chat_template(CHAT[:1], enable_thinking=False) == "You are terse. /no_think"
+
+
+def test_chat_template_flag_reads_a_file_or_the_template(tmp_path: Path) -> None:
+    from tandem.common.tokenizer import read_chat_template
+
+    path = tmp_path / "t.jinja"
+    path.write_text("{{ messages[0].content }}")
+    assert read_chat_template(str(path)) == "{{ messages[0].content }}"
+    assert read_chat_template("{% for m in messages %}x{% endfor %}").startswith("{% for")
+    with pytest.raises(ChatTemplateError, match="no such file"):
+        read_chat_template(str(tmp_path / "missing.jinja"))
+
+
+def test_a_broken_override_template_is_refused(tok: Tokenizer) -> None:
+    with pytest.raises(ChatTemplateError, match="does not compile"):
+        tok.with_chat_template("{% for m in messages %}")
+
+
+def test_a_template_that_trips_on_a_message_is_a_chat_template_error(tok: Tokenizer) -> None:
+    broken = tok.with_chat_template("{{ messages[0].tool_calls[0].function.arguments | items }}")
+    with pytest.raises(ChatTemplateError, match="chat template failed"):
+        broken.apply_chat_template(CHAT)
+
+
 def test_chat_messages_may_be_role_content_pairs(tok: Tokenizer) -> None:
     pairs = [(m["role"], m["content"]) for m in CHAT]
     assert tok.apply_chat_template(pairs) == tok.apply_chat_template(CHAT)

@@ -38,6 +38,7 @@ from tandem.router.openai_api.protocol import (
     TokenizeRequest,
     Unsupported,
 )
+from tandem.router.openai_api.tools import OutputParser, ToolUse, assemble
 from tandem.router.orchestrator import NoWorkerAvailable
 from tandem.router.rate_limit import RateLimiter
 from tandem.router.service import Generator, Overloaded, WorkerError
@@ -75,7 +76,10 @@ def make_app(
     api_keys: ApiKeys | None = None,
     limiter: RateLimiter | None = None,
     is_ready: Callable[[], bool] = lambda: True,
+    tool_parser: str | None = None,
 ) -> FastAPI:
+    """The app over ``generator``; ``tool_parser`` (``--tool-call-parser``, given with
+    ``--enable-auto-tool-choice``) turns on ``tool_choice: auto``."""
     app = FastAPI(title="Tandem", docs_url=None, redoc_url=None, openapi_url=None)
     tokens = _TokenText(generator)
 
@@ -146,14 +150,19 @@ def make_app(
         request: Request, body: CompletionRequest | ChatCompletionRequest, chat: bool
     ) -> Response:
         await authorize(request)
+        tools = None
         try:
-            choices = body.requests()
+            if isinstance(body, ChatCompletionRequest):
+                tools = body.tool_use(tool_parser)
+                choices = body.requests(tools)
+            else:
+                choices = body.requests()
         except Unsupported as err:
             raise _invalid(str(err), err.param) from None
         if not chat:  # one list of choices per prompt of the batch
             choices = [c for per_prompt in choices for c in per_prompt]
         prefix = "chatcmpl" if chat else "cmpl"
-        answer = _Answer(generator, tokens, prefix, body.model, chat=chat, n=body.n)
+        answer = _Answer(generator, tokens, prefix, body.model, chat=chat, n=body.n, tools=tools)
         admitted = answer.admit(choices)
         if body.stream:
             return await answer.stream(request, admitted, body.include_usage)
@@ -192,7 +201,7 @@ def _add_token_endpoints(
         except Unsupported as err:
             raise _invalid(str(err), err.param) from None
         except InvalidRequest as err:
-            param = _PARAMS.get(err.field, err.field)
+            param = _param(err.field)
             raise _invalid(f"{param} {err.problem}", param) from None
         return {
             "count": len(ids),
@@ -247,8 +256,10 @@ class _Answer:
         model: str,
         chat: bool,
         n: int,
+        tools: ToolUse | None = None,
     ) -> None:
         self.n = n
+        self.tools = tools
         self.generator = generator
         self.tokens = tokens
         self.chat = chat
@@ -273,7 +284,7 @@ class _Answer:
                         "not_found_error",
                         "model",
                     ) from None
-                param = _PARAMS.get(err.field, err.field.removeprefix("sampling."))
+                param = _param(err.field)
                 raise _invalid(f"{param} {err.problem}", param) from None
             except Overloaded as err:
                 raise ApiError(
@@ -319,11 +330,20 @@ class _Answer:
             self._logprobs(choice.token_ids, choice.logprobs) if self.logprobs_wanted else None
         )
         if self.chat:
+            message: dict[str, Any] = {"role": "assistant", "content": text}
+            finish = choice.finish
+            parser = None if self.tools is None else self.tools.parser()
+            if parser is not None:
+                settled = parser.feed(text).add(parser.finish())
+                if settled.calls:
+                    message["content"] = settled.content or None
+                    message["tool_calls"] = assemble(settled.calls)
+                    finish = self.tools.finish_reason(finish, parser.num_calls)
             return {
                 "index": index,
-                "message": {"role": "assistant", "content": text},
+                "message": message,
                 "logprobs": logprobs,
-                "finish_reason": choice.finish,
+                "finish_reason": finish,
             }
         return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": choice.finish}
 
@@ -346,6 +366,7 @@ class _Answer:
             await queue.put((index, None))
 
         tasks = [asyncio.ensure_future(pump(i, r)) for i, r in enumerate(admitted)]
+        parsers = [None if self.tools is None else self.tools.parser() for _ in admitted]
         first = await queue.get()
         if isinstance(first[1], _Failure):
             for task in tasks:
@@ -384,7 +405,13 @@ class _Answer:
                     logprobs = None
                     if self.logprobs_wanted:
                         logprobs = self._logprobs(list(response.token_ids), list(response.logprobs))
-                    content = {"content": response.text} if self.chat else response.text
+                    parser = parsers[index]
+                    if parser is None:
+                        content = {"content": response.text} if self.chat else response.text
+                    else:
+                        content, finish = self._tool_delta(parser, response.text, finish)
+                        if not content and logprobs is None and finish is None:
+                            continue  # held back: it may be the start of a call
                     yield self._event(index, content, logprobs, finish)
                 if include_usage:
                     yield _sse(
@@ -403,6 +430,23 @@ class _Answer:
                     task.cancel()
 
         return StreamingResponse(events(), media_type="text/event-stream")
+
+    def _tool_delta(
+        self, parser: OutputParser, text: str, finish: str | None
+    ) -> tuple[dict[str, Any], str | None]:
+        """A streamed chat delta through the tool parser: the content and call pieces it
+        settled (everything at the finish)."""
+        settled = parser.feed(text)
+        if finish is not None:
+            settled.add(parser.finish())
+            assert self.tools is not None
+            finish = self.tools.finish_reason(finish, parser.num_calls)
+        delta: dict[str, Any] = {}
+        if settled.content:
+            delta["content"] = settled.content
+        if settled.calls:
+            delta["tool_calls"] = [call.openai() for call in settled.calls]
+        return delta, finish
 
     def _usage(self, usages: dict[int, generation_pb2.Usage | None]) -> dict[str, Any]:
         return _usage(usages, self.n)
@@ -512,8 +556,26 @@ _WORKER_STATUS = {
 }
 """HTTP answers to a worker's own refusal (what no other worker would make good)."""
 
-_PARAMS = {"prompt": "prompt", "token_ids": "prompt", "chat": "messages"}
-"""The OpenAI parameter a validator field stands for, where the names differ."""
+_PARAMS = {
+    "token_ids": "prompt",
+    "chat": "messages",
+    "chat.messages": "messages",
+    "chat.tools_json": "tools",
+    "chat.template_kwargs_json": "chat_template_kwargs",
+    "sampling": "",
+}
+"""The OpenAI parameter a validator field stands for, where the names differ (by the
+field's first one or two parts)."""
+
+
+def _param(field: str) -> str:
+    """The OpenAI parameter for a validator field: ``chat.messages[2].tool_calls_json``
+    is ``messages[2].tool_calls``, ``sampling.top_p`` is ``top_p``."""
+    for prefix in sorted(_PARAMS, key=len, reverse=True):
+        if field == prefix or field.startswith((f"{prefix}.", f"{prefix}[")):
+            name = _PARAMS[prefix] + field[len(prefix) :]
+            return name.lstrip(".").removesuffix("_json").replace("_json.", ".")
+    return field
 
 
 def _usage(usages: dict[int, generation_pb2.Usage | None], n: int) -> dict[str, Any]:

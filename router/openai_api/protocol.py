@@ -18,14 +18,10 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from tandem.protos import common_pb2, generation_pb2
+from tandem.router.openai_api.errors import Unsupported
+from tandem.router.openai_api.tools import ToolUse
 
-
-class Unsupported(ValueError):
-    """A request field Tandem does not do (yet), or cannot read; ``param`` names it."""
-
-    def __init__(self, param: str, message: str) -> None:
-        super().__init__(message)
-        self.param = param
+__all__ = ["Unsupported"]
 
 
 UINT32_MAX = 2**32 - 1
@@ -200,6 +196,25 @@ class ChatMessage(BaseModel):
 
     role: str
     content: str | list[dict[str, Any]] | None = None
+    tool_calls: list[dict[str, Any]] | None = None
+    """An assistant turn's calls: ``[{"id", "type": "function", "function": {"name",
+    "arguments"}}]`` (``arguments`` JSON text, as OpenAI sends them)."""
+    tool_call_id: str | None = None
+    """A ``tool`` turn: the call it answers."""
+    name: str | None = None
+
+    def add_to(self, chat: generation_pb2.ChatMessages, index: int) -> None:
+        _check_text(self.role, f"messages[{index}].role")
+        message = chat.messages.add(role=self.role, content=_text(self.content, index))
+        if self.tool_calls:
+            text = json.dumps(self.tool_calls, ensure_ascii=False)
+            _check_text(text, f"messages[{index}].tool_calls")
+            message.tool_calls_json = text
+        for name in ("tool_call_id", "name"):
+            value = getattr(self, name)
+            if value:
+                _check_text(value, f"messages[{index}].{name}")
+                setattr(message, name, value)
 
 
 class ChatCompletionRequest(_Sampling):
@@ -210,10 +225,17 @@ class ChatCompletionRequest(_Sampling):
     top_logprobs: int | None = Field(None, ge=0, le=20)
     add_generation_prompt: bool = True
     tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    """vLLM's extra: more variables for the chat template (``enable_thinking``, ...)."""
 
-    def requests(self) -> list[generation_pb2.GenerateRequest]:
-        if self.tools:
-            raise Unsupported("tools", "tool calling is not supported")
+    def tool_use(self, auto_parser: str | None) -> ToolUse | None:
+        """What the request asks of its tools, with the server's ``--tool-call-parser``
+        (``None`` when auto tool choice is off)."""
+        return ToolUse.of(self.tools, self.tool_choice, self.parallel_tool_calls, auto_parser)
+
+    def requests(self, tools: ToolUse | None = None) -> list[generation_pb2.GenerateRequest]:
         if self.top_logprobs and not self.logprobs:
             raise Unsupported("top_logprobs", "top_logprobs needs logprobs: true")
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
@@ -222,14 +244,22 @@ class ChatCompletionRequest(_Sampling):
             if self.max_completion_tokens is not None
             else self.max_tokens
         )
-        chat = generation_pb2.ChatMessages(add_generation_prompt=self.add_generation_prompt)
-        for i, message in enumerate(self.messages):
-            _check_text(message.role, f"messages[{i}].role")
-            chat.messages.add(role=message.role, content=_text(message.content, i))
-        base = generation_pb2.GenerateRequest(
-            chat=chat, sampling=self._sampling(max_tokens, logprobs)
-        )
-        return self._choices(base)
+        chat = _chat(self.messages, self.add_generation_prompt, self.tools)
+        if self.chat_template_kwargs:
+            text = json.dumps(self.chat_template_kwargs, ensure_ascii=False)
+            _check_text(text, "chat_template_kwargs")
+            chat.template_kwargs_json = text
+        sampling = self._sampling(max_tokens, logprobs)
+        constraint = None if tools is None else tools.constraint()
+        if constraint is not None:
+            if sampling.HasField("structured"):
+                raise Unsupported(
+                    "tool_choice",
+                    f"tool_choice {tools.mode!r} constrains the output itself: send no "
+                    "response_format or guided_* with it",
+                )
+            sampling.structured.CopyFrom(constraint)
+        return self._choices(generation_pb2.GenerateRequest(chat=chat, sampling=sampling))
 
 
 class TokenizeRequest(BaseModel):
@@ -245,6 +275,7 @@ class TokenizeRequest(BaseModel):
     without: its template adds them)."""
     add_generation_prompt: bool = True
     return_token_strs: bool = False
+    tools: list[dict[str, Any]] | None = None
 
     def request(self) -> generation_pb2.GenerateRequest:
         _check_text(self.model, "model")
@@ -253,10 +284,7 @@ class TokenizeRequest(BaseModel):
         if self.prompt is not None:
             _check_text(self.prompt, "prompt")
             return generation_pb2.GenerateRequest(prompt=self.prompt)
-        chat = generation_pb2.ChatMessages(add_generation_prompt=self.add_generation_prompt)
-        for i, message in enumerate(self.messages or ()):
-            _check_text(message.role, f"messages[{i}].role")
-            chat.messages.add(role=message.role, content=_text(message.content, i))
+        chat = _chat(self.messages or [], self.add_generation_prompt, self.tools)
         return generation_pb2.GenerateRequest(chat=chat)
 
 
@@ -267,6 +295,19 @@ class DetokenizeRequest(BaseModel):
 
     model: str = ""
     tokens: list[Count]
+
+
+def _chat(
+    messages: list[ChatMessage], add_generation_prompt: bool, tools: list[dict[str, Any]] | None
+) -> generation_pb2.ChatMessages:
+    chat = generation_pb2.ChatMessages(add_generation_prompt=add_generation_prompt)
+    for i, message in enumerate(messages):
+        message.add_to(chat, i)
+    if tools:
+        text = json.dumps(tools, ensure_ascii=False)
+        _check_text(text, "tools")
+        chat.tools_json = text
+    return chat
 
 
 def _prompts(prompt: str | list[str] | list[int] | list[list[int]]) -> list[str | list[int]]:

@@ -125,8 +125,46 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         default=0,
         help="prefill workers needed (0: decode workers prefill when none is left)",
     )
+    add_chat_options(router)
     _add_routing_options(router)
     router.set_defaults(run=run)
+
+
+TOOL_CALL_PARSERS = ("hermes", "llama3_json")
+"""``--tool-call-parser`` choices (``tandem.router.openai_api.tools.PARSERS``' names,
+kept here so parsing the command line imports no router code)."""
+
+
+def add_chat_options(parser: argparse.ArgumentParser) -> None:
+    """The chat template and tool-calling flags, under vLLM's names (router and serve)."""
+    chat = parser.add_argument_group("chat and tool calling (vLLM's flags)")
+    chat.add_argument(
+        "--chat-template",
+        metavar="FILE_OR_TEMPLATE",
+        help="a jinja chat template replacing the checkpoint's: a file, or the template text",
+    )
+    chat.add_argument(
+        "--enable-auto-tool-choice",
+        action="store_true",
+        help='let the model decide to call tools (tool_choice "auto", the default with '
+        "tools); needs --tool-call-parser",
+    )
+    chat.add_argument(
+        "--tool-call-parser",
+        choices=TOOL_CALL_PARSERS,
+        help="how calls are read from the output under auto: hermes (<tool_call> JSON "
+        "blocks: Hermes, Qwen 2.5/3, Tandem's checkpoints) or llama3_json (Llama 3.1+)",
+    )
+
+
+def tool_call_parser(args: argparse.Namespace) -> str | None:
+    """The parser auto tool choice uses (``None``: off); a usage error when only one
+    of the two flags is given."""
+    if args.enable_auto_tool_choice and args.tool_call_parser is None:
+        args.parser.error("--enable-auto-tool-choice needs --tool-call-parser")
+    if args.tool_call_parser is not None and not args.enable_auto_tool_choice:
+        args.parser.error("--tool-call-parser needs --enable-auto-tool-choice")
+    return args.tool_call_parser
 
 
 def _add_routing_options(router: argparse.ArgumentParser) -> None:
@@ -278,4 +316,6 @@ def router_options(args: argparse.Namespace) -> RouterOptions:
         http_port=args.http_port,
         rate_limit=rate_limit,
         drain_timeout_s=args.drain_timeout,
+        chat_template=args.chat_template,
+        tool_call_parser=tool_call_parser(args),
     )

@@ -26,6 +26,7 @@ from tandem.cli.options import (
 )
 from tandem.cli.planner import add_planner_options, planner_config
 from tandem.cli.ray_flags import add_serve_options, ray_only_flags_given, ray_spec, uses_ray
+from tandem.cli.router import add_chat_options, tool_call_parser
 
 if TYPE_CHECKING:
     from tandem.cli.launcher import ClusterSpec, LocalCluster
@@ -158,6 +159,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "--num-speculative-tokens", type=positive_int, help="most drafts per step (k)"
     )
     spec.add_argument("--draft-model", help="draft checkpoint (implies --speculative-method draft)")
+    add_chat_options(serve)
     _add_engine_flags(serve)
     serve.set_defaults(run=_run)
 
@@ -266,6 +268,7 @@ def _run(args: argparse.Namespace) -> int:
         router_args=(
             *(() if args.http_port is None else ("--http-port", str(args.http_port))),
             *(() if generation_config is None else ("--generation-config", generation_config)),
+            *_chat_args(args),
             *args.router_arg,
         ),
         log_dir=args.log_dir,
@@ -324,6 +327,19 @@ def _run(args: argparse.Namespace) -> int:
             wait_for_signal()
         print("stopping", flush=True)
     return 0
+
+
+def _chat_args(args: argparse.Namespace) -> list[str]:
+    """The router's chat template and tool-calling flags, as given to ``serve``."""
+    out = []
+    if args.chat_template is not None:
+        # A file is passed by its absolute path: the router may run in another folder.
+        path = Path(args.chat_template).expanduser()
+        out.append(f"--chat-template={path.resolve() if path.is_file() else args.chat_template}")
+    if tool_call_parser(args) is not None:
+        out.append("--enable-auto-tool-choice")
+        out.append(f"--tool-call-parser={args.tool_call_parser}")
+    return out
 
 
 def _cluster(spec: ClusterSpec, placement) -> Cluster:
@@ -385,8 +401,13 @@ def check_flags(spec: ClusterSpec) -> None:
     common = ("--model", spec.model_dir, "--redis-url", "redis://unused")
     router = parse(["router", *common, *spec.router_args])
     try:  # the checkpoint's config, tokenizer and generation config, as the router reads them
+        tool_call_parser(router)
         RequestValidator.from_dir(
-            spec.model_dir, "check", router.max_model_len, router.generation_config
+            spec.model_dir,
+            "check",
+            router.max_model_len,
+            router.generation_config,
+            chat_template=router.chat_template,
         )
     except ValueError as err:
         raise ValueError(f"router: {err}") from None

@@ -26,7 +26,7 @@ from tokenizers import Tokenizer as HFTokenizer
 
 from tandem.common.checkpoint_files import read_json
 
-ChatMessages = Sequence[Mapping[str, str]] | Sequence[tuple[str, str]]
+ChatMessages = Sequence[Mapping[str, Any]] | Sequence[tuple[str, str]]
 _SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "pad_token", "unk_token")
 
 
@@ -108,15 +108,22 @@ class Tokenizer:
         return self._backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
     def apply_chat_template(
-        self, messages: ChatMessages, add_generation_prompt: bool = True
+        self,
+        messages: ChatMessages,
+        add_generation_prompt: bool = True,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        **template_kwargs: Any,
     ) -> str:
         """Render a chat as HF does (sandboxed jinja2, ``trim_blocks``/``lstrip_blocks``).
 
-        ``messages`` are ``{"role", "content"}`` mappings or ``(role, content)`` pairs.
-        The template sees ``messages``, ``add_generation_prompt`` and the special token
-        strings (``bos_token``, ``eos_token``, ...). Templates usually emit BOS
-        themselves, so encode the result with ``add_special_tokens=False``. Raises
-        ``ChatTemplateError`` when there is no template or the template rejects the chat.
+        ``messages`` are mappings (``role``, ``content``, and for tool use an assistant
+        turn's ``tool_calls`` or a tool turn's ``tool_call_id`` / ``name``) or
+        ``(role, content)`` pairs. The template sees ``messages``, ``tools`` (OpenAI's
+        function objects; ``None`` without), ``add_generation_prompt``, the special token
+        strings (``bos_token``, ``eos_token``, ...) and ``template_kwargs`` (e.g.
+        ``enable_thinking``). Templates usually emit BOS themselves, so encode the result
+        with ``add_special_tokens=False``. Raises ``ChatTemplateError`` when there is no
+        template or the template rejects the chat.
         """
         if self._chat_template is None:
             raise ChatTemplateError(
@@ -124,12 +131,45 @@ class Tokenizer:
                 "chat_template.jinja); send a plain prompt instead of chat messages"
             )
         chat = [_as_message(m) for m in messages]
+        variables = {**template_kwargs, **self._special_tokens}
         try:
             return self._chat_template.render(
-                messages=chat, add_generation_prompt=add_generation_prompt, **self._special_tokens
+                messages=chat,
+                tools=list(tools) if tools else None,
+                add_generation_prompt=add_generation_prompt,
+                **variables,
             )
         except jinja2.TemplateError as e:
             raise ChatTemplateError(f"chat template failed: {e}") from e
+        except (TypeError, ValueError, KeyError, AttributeError) as e:
+            # A template indexing a message or tool the way its model expects and this
+            # chat does not (``tool_call.function.arguments|items`` on a string, ...).
+            raise ChatTemplateError(f"chat template failed: {type(e).__name__}: {e}") from e
+
+    def with_chat_template(self, template: str) -> Tokenizer:
+        """This tokenizer with another chat template (``--chat-template``); a template
+        that does not compile is a ``ChatTemplateError``."""
+        try:
+            return Tokenizer(
+                self._backend,
+                self._special_tokens,
+                self._bos_token_id,
+                self._eos_token_ids,
+                template,
+            )
+        except jinja2.TemplateSyntaxError as e:
+            raise ChatTemplateError(f"chat template does not compile: {e}") from e
+
+
+def read_chat_template(value: str) -> str:
+    """``--chat-template``'s value, as vLLM reads it: a file's path, else the template
+    text itself (which must hold a jinja tag, so a mistyped path is not taken for one)."""
+    path = Path(value).expanduser()
+    if path.is_file():
+        return path.read_text(encoding="utf-8")
+    if "{{" in value or "{%" in value:
+        return value
+    raise ChatTemplateError(f"--chat-template {value}: no such file, nor a jinja template")
 
 
 class IncrementalDetokenizer:
@@ -245,7 +285,7 @@ def _tojson(
     )
 
 
-def _as_message(message: Mapping[str, str] | tuple[str, str]) -> dict[str, str]:
+def _as_message(message: Mapping[str, Any] | tuple[str, str]) -> dict[str, Any]:
     if isinstance(message, tuple):
         role, content = message
         return {"role": role, "content": content}

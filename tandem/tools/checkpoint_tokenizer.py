@@ -40,14 +40,46 @@ MIN_VOCAB_SIZE = 512
 
 CHAT_TEMPLATE = (
     "{{ bos_token }}"
-    "{% for message in messages %}"
-    "{% if message['role'] not in ('system', 'user', 'assistant') %}"
-    "{{ raise_exception('Unknown chat role: ' ~ message['role']) }}"
+    "{% if tools %}"
+    "<|im_start|>system\n"
+    "{% if messages[0]['role'] == 'system' %}{{ messages[0]['content'] }}\n\n{% endif %}"
+    "Functions you can call, one JSON schema each, between <tools> and </tools>:\n<tools>"
+    "{% for tool in tools %}{{ '\\n' }}"
+    "{{ (tool['function'] if tool['function'] is defined else tool) | tojson }}"
+    "{% endfor %}{{ '\\n' }}</tools>\n\n"
+    "To call one, answer with its name and arguments as a JSON object between "
+    "<tool_call> and </tool_call>, one block per call:\n<tool_call>\n"
+    '{"name": <function name>, "arguments": <arguments object>}\n</tool_call>'
+    "<|im_end|>\n"
     "{% endif %}"
-    "<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
+    "{% for message in messages %}"
+    "{% set role = message['role'] %}"
+    "{% if role not in ('system', 'user', 'assistant', 'tool') %}"
+    "{{ raise_exception('Unknown chat role: ' ~ role) }}"
+    "{% elif tools and loop.first and role == 'system' %}"
+    "{% elif role == 'assistant' and message['tool_calls'] %}"
+    "<|im_start|>assistant"
+    "{% if message['content'] %}{{ '\\n' }}{{ message['content'] }}{% endif %}"
+    "{% for call in message['tool_calls'] %}"
+    "{% set call = call['function'] if call['function'] is defined else call %}"
+    "{{ '\\n' }}<tool_call>\n{\"name\": {{ call['name'] | tojson }}, \"arguments\": "
+    "{{ call['arguments'] if call['arguments'] is string else call['arguments'] | tojson }}"
+    "}\n</tool_call>"
+    "{% endfor %}<|im_end|>\n"
+    "{% elif role == 'tool' %}"
+    "{% if loop.first or loop.previtem['role'] != 'tool' %}<|im_start|>user{% endif %}"
+    "{{ '\\n' }}<tool_response>\n{{ message['content'] }}\n</tool_response>"
+    "{% if loop.last or loop.nextitem['role'] != 'tool' %}<|im_end|>\n{% endif %}"
+    "{% else %}"
+    "<|im_start|>{{ role }}\n{{ message['content'] }}<|im_end|>\n"
+    "{% endif %}"
     "{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
+"""ChatML with tool use in the Hermes convention (the one ``--tool-call-parser hermes``
+reads): the tools listed in a system turn, each call a ``<tool_call>`` JSON block, tool
+results as ``<tool_response>`` blocks of a user turn. Without tools it renders as plain
+ChatML."""
 
 
 @dataclass(frozen=True)
