@@ -4,7 +4,7 @@ Order of operations per row (all batched; the only Python loop is over *seeded* 
 each drawing its own noise so its output does not depend on what else is in the batch):
 
 1. raw log-probabilities, if any row asked for ``logprobs``;
-2. ban EOS and stop tokens for rows still under ``min_tokens``;
+2. ban EOS and stop tokens for rows still under ``min_tokens``; add ``logit_bias``;
 3. repetition (prompt + output), frequency and presence (output) penalties;
 4. greedy rows: argmax. Other rows: divide by temperature, keep top-k, then the smallest
    top-p nucleus, then drop tokens below ``min_p`` × the top probability, and sample
@@ -82,6 +82,8 @@ class Sampler:
         if any(r.params.logprobs is not None for r in rows):
             raw_logprobs = torch.log_softmax(logits, dim=-1)
         logits = self._ban_tokens(logits, rows)
+        if any(r.params.logit_bias for r in rows):
+            logits = apply_logit_bias(logits, rows)
         if any(r.params.uses_penalties for r in rows):
             logits = apply_penalties(logits, rows)
         tokens = self._emit(logits, rows, groups)
@@ -133,6 +135,23 @@ class Sampler:
         probs = filtered_probs(logits.index_select(0, index), sub_rows)
         greedy[index] = exponential_race(probs, [r.generator for r in sub_rows], self.generator)
         return greedy
+
+
+def apply_logit_bias(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    """Each row's ``logit_bias`` added to its logits (one scatter for the batch)."""
+    row_ids, token_ids, biases = [], [], []
+    for i, row in enumerate(rows):
+        for token_id, bias in row.params.logit_bias:
+            if token_id < logits.shape[1]:  # ids past the model's vocabulary: none drawn
+                row_ids.append(i)
+                token_ids.append(token_id)
+                biases.append(bias)
+    index = (
+        torch.tensor(row_ids, device=logits.device),
+        torch.tensor(token_ids, device=logits.device),
+    )
+    values = torch.tensor(biases, dtype=logits.dtype, device=logits.device)
+    return logits.index_put(index, values, accumulate=True)
 
 
 def apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:

@@ -24,27 +24,31 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1atandem/protos/common.proto\x12\ttandem.v1\"\xf9\x04\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x12\n\nmin_tokens\x18\x02 \x01(\r\x12\x18\n\x0btemperature\x18\x03 \x01(\x01H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x04 \x01(\rH\x02\x88\x01\x01\x12\x12\n\x05top_p\x18\x05 \x01(\x01H\x03\x88\x01\x01\x12\x12\n\x05min_p\x18\x06 \x01(\x01H\x04\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x07 \x01(\x01H\x05\x88\x01\x01\x12\x18\n\x10presence_penalty\x18\x08 \x01(\x01\x12\x19\n\x11\x66requency_penalty\x18\t \x01(\x01\x12\x11\n\x04seed\x18\n \x01(\x04H\x06\x88\x01\x01\x12\x0c\n\x04stop\x18\x0b \x03(\t\x12\x16\n\x0estop_token_ids\x18\x0c \x03(\r\x12\x12\n\nignore_eos\x18\r \x01(\x08\x12\"\n\x1ainclude_stop_str_in_output\x18\x0e \x01(\x08\x12\x15\n\x08logprobs\x18\x0f \x01(\rH\x07\x88\x01\x01\x12 \n\x13skip_special_tokens\x18\x10 \x01(\x08H\x08\x88\x01\x01\x12\x31\n\x0bspeculative\x18\x11 \x01(\x0b\x32\x1c.tandem.v1.SpeculativeParams\x12/\n\nstructured\x18\x12 \x01(\x0b\x32\x1b.tandem.v1.StructuredOutputB\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_kB\x08\n\x06_top_pB\x08\n\x06_min_pB\x15\n\x13_repetition_penaltyB\x07\n\x05_seedB\x0b\n\t_logprobsB\x16\n\x14_skip_special_tokens\"r\n\x10StructuredOutput\x12\x15\n\x0bjson_schema\x18\x01 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x02 \x01(\x08H\x00\x12\x0f\n\x05regex\x18\x03 \x01(\tH\x00\x12\x11\n\x07grammar\x18\x04 \x01(\tH\x00\x42\x0c\n\nconstraint\"\xa3\x01\n\x11SpeculativeParams\x12\x14\n\x07\x65nabled\x18\x01 \x01(\x08H\x00\x88\x01\x01\x12,\n\x06method\x18\x02 \x01(\x0e\x32\x1c.tandem.v1.SpeculativeMethod\x12#\n\x16num_speculative_tokens\x18\x03 \x01(\rH\x01\x88\x01\x01\x42\n\n\x08_enabledB\x19\n\x17_num_speculative_tokens\"1\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"F\n\rTokenLogprobs\x12\x0f\n\x07logprob\x18\x01 \x01(\x02\x12$\n\x03top\x18\x02 \x03(\x0b\x32\x17.tandem.v1.TokenLogprob\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r*s\n\x11SpeculativeMethod\x12\"\n\x1eSPECULATIVE_METHOD_UNSPECIFIED\x10\x00\x12\x1c\n\x18SPECULATIVE_METHOD_NGRAM\x10\x01\x12\x1c\n\x18SPECULATIVE_METHOD_DRAFT\x10\x02*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1atandem/protos/common.proto\x12\ttandem.v1\"\xe9\x05\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x12\n\nmin_tokens\x18\x02 \x01(\r\x12\x18\n\x0btemperature\x18\x03 \x01(\x01H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x04 \x01(\rH\x02\x88\x01\x01\x12\x12\n\x05top_p\x18\x05 \x01(\x01H\x03\x88\x01\x01\x12\x12\n\x05min_p\x18\x06 \x01(\x01H\x04\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x07 \x01(\x01H\x05\x88\x01\x01\x12\x18\n\x10presence_penalty\x18\x08 \x01(\x01\x12\x19\n\x11\x66requency_penalty\x18\t \x01(\x01\x12\x11\n\x04seed\x18\n \x01(\x04H\x06\x88\x01\x01\x12\x0c\n\x04stop\x18\x0b \x03(\t\x12\x16\n\x0estop_token_ids\x18\x0c \x03(\r\x12\x12\n\nignore_eos\x18\r \x01(\x08\x12\"\n\x1ainclude_stop_str_in_output\x18\x0e \x01(\x08\x12\x15\n\x08logprobs\x18\x0f \x01(\rH\x07\x88\x01\x01\x12 \n\x13skip_special_tokens\x18\x10 \x01(\x08H\x08\x88\x01\x01\x12\x31\n\x0bspeculative\x18\x11 \x01(\x0b\x32\x1c.tandem.v1.SpeculativeParams\x12/\n\nstructured\x18\x12 \x01(\x0b\x32\x1b.tandem.v1.StructuredOutput\x12<\n\nlogit_bias\x18\x13 \x03(\x0b\x32(.tandem.v1.SamplingParams.LogitBiasEntry\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_kB\x08\n\x06_top_pB\x08\n\x06_min_pB\x15\n\x13_repetition_penaltyB\x07\n\x05_seedB\x0b\n\t_logprobsB\x16\n\x14_skip_special_tokens\"r\n\x10StructuredOutput\x12\x15\n\x0bjson_schema\x18\x01 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x02 \x01(\x08H\x00\x12\x0f\n\x05regex\x18\x03 \x01(\tH\x00\x12\x11\n\x07grammar\x18\x04 \x01(\tH\x00\x42\x0c\n\nconstraint\"\xa3\x01\n\x11SpeculativeParams\x12\x14\n\x07\x65nabled\x18\x01 \x01(\x08H\x00\x88\x01\x01\x12,\n\x06method\x18\x02 \x01(\x0e\x32\x1c.tandem.v1.SpeculativeMethod\x12#\n\x16num_speculative_tokens\x18\x03 \x01(\rH\x01\x88\x01\x01\x42\n\n\x08_enabledB\x19\n\x17_num_speculative_tokens\"1\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"F\n\rTokenLogprobs\x12\x0f\n\x07logprob\x18\x01 \x01(\x02\x12$\n\x03top\x18\x02 \x03(\x0b\x32\x17.tandem.v1.TokenLogprob\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r*s\n\x11SpeculativeMethod\x12\"\n\x1eSPECULATIVE_METHOD_UNSPECIFIED\x10\x00\x12\x1c\n\x18SPECULATIVE_METHOD_NGRAM\x10\x01\x12\x1c\n\x18SPECULATIVE_METHOD_DRAFT\x10\x02*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'tandem.protos.common_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_SPECULATIVEMETHOD']._serialized_start=1107
-  _globals['_SPECULATIVEMETHOD']._serialized_end=1222
-  _globals['_FINISHREASON']._serialized_start=1224
-  _globals['_FINISHREASON']._serialized_end=1344
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._loaded_options = None
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_options = b'8\001'
+  _globals['_SPECULATIVEMETHOD']._serialized_start=1219
+  _globals['_SPECULATIVEMETHOD']._serialized_end=1334
+  _globals['_FINISHREASON']._serialized_start=1336
+  _globals['_FINISHREASON']._serialized_end=1456
   _globals['_SAMPLINGPARAMS']._serialized_start=42
-  _globals['_SAMPLINGPARAMS']._serialized_end=675
-  _globals['_STRUCTUREDOUTPUT']._serialized_start=677
-  _globals['_STRUCTUREDOUTPUT']._serialized_end=791
-  _globals['_SPECULATIVEPARAMS']._serialized_start=794
-  _globals['_SPECULATIVEPARAMS']._serialized_end=957
-  _globals['_TOKENLOGPROB']._serialized_start=959
-  _globals['_TOKENLOGPROB']._serialized_end=1008
-  _globals['_TOKENLOGPROBS']._serialized_start=1010
-  _globals['_TOKENLOGPROBS']._serialized_end=1080
-  _globals['_TOKENIDS']._serialized_start=1082
-  _globals['_TOKENIDS']._serialized_end=1105
+  _globals['_SAMPLINGPARAMS']._serialized_end=787
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=609
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=657
+  _globals['_STRUCTUREDOUTPUT']._serialized_start=789
+  _globals['_STRUCTUREDOUTPUT']._serialized_end=903
+  _globals['_SPECULATIVEPARAMS']._serialized_start=906
+  _globals['_SPECULATIVEPARAMS']._serialized_end=1069
+  _globals['_TOKENLOGPROB']._serialized_start=1071
+  _globals['_TOKENLOGPROB']._serialized_end=1120
+  _globals['_TOKENLOGPROBS']._serialized_start=1122
+  _globals['_TOKENLOGPROBS']._serialized_end=1192
+  _globals['_TOKENIDS']._serialized_start=1194
+  _globals['_TOKENIDS']._serialized_end=1217
 # @@protoc_insertion_point(module_scope)

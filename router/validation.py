@@ -161,6 +161,13 @@ class RequestValidator:
             proto.max_tokens = rest if cap is None else min(rest, cap)
         sampling = validate_sampling(proto, self.sampling_defaults)
         self._check_token_ids("sampling.stop_token_ids", sampling.stop_token_ids)
+        outside = [t for t, _ in sampling.logit_bias if t >= self.vocab_size]
+        if outside:
+            raise InvalidRequest(
+                "sampling.logit_bias",
+                f"has token id {outside[0]}, out of range: this model's vocabulary has ids "
+                f"0..{self.vocab_size - 1}",
+            )
         return ValidatedRequest(
             request_id=request.request_id or uuid.uuid4().hex,
             prompt_token_ids=tuple(token_ids),

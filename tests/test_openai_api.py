@@ -199,11 +199,15 @@ def test_errors_have_openais_shape_and_status(client: openai.OpenAI, cluster) ->
     assert bad.value.body["param"] == "temperature" and "temperature" in bad.value.body["message"]
     with pytest.raises(openai.NotFoundError):
         client.completions.create(model="no-such-model", prompt="hi", max_tokens=4)
+    for bias in ({"five": 1.0}, {"5": 101}, {"1000000": 1}):
+        with pytest.raises(openai.BadRequestError) as bad_bias:
+            client.chat.completions.create(
+                model=name, messages=[{"role": "user", "content": "hi"}], logit_bias=bias
+            )
+        assert bad_bias.value.body["param"] == "logit_bias", bad_bias.value.body
     with pytest.raises(openai.BadRequestError) as unsupported:
-        client.chat.completions.create(
-            model=name, messages=[{"role": "user", "content": "hi"}], logit_bias={"5": 1.0}
-        )
-    assert unsupported.value.body["param"] == "logit_bias"
+        client.completions.create(model=name, prompt="hi", echo=True, logprobs=2)
+    assert unsupported.value.body["param"] == "echo"
     with pytest.raises(openai.BadRequestError) as too_long:
         client.completions.create(model=name, prompt=list(range(600)), max_tokens=4)
     assert too_long.value.body["param"] == "prompt"
@@ -618,3 +622,70 @@ def test_tool_errors_name_the_field(client: openai.OpenAI, cluster) -> None:
         with pytest.raises(openai.BadRequestError) as bad:
             client.chat.completions.create(model=running.model_name, max_tokens=4, **fields)
         assert bad.value.body["param"] == param, bad.value.body
+
+
+# --- logit_bias, echo, continuous usage ------------------------------------------------
+
+
+def test_logit_bias_steers_the_cluster_as_the_offline_engine(
+    client: openai.OpenAI, cluster, offline: LLM
+) -> None:
+    running, _ = cluster
+    prompt = random_prompts(1, 4096, (30, 40), seed=81)[0]  # disaggregated: prefill samples too
+    _, free = _greedy(offline, prompt)
+    bias = {"11": 100.0, "12": 4.5}
+    params = SamplingParams(
+        temperature=0, max_tokens=NEW, ignore_eos=True, logit_bias={11: 100, 12: 4.5}
+    )
+    (expected,) = offline.generate([prompt], params)
+    assert expected.token_ids == [11] * NEW and expected.text != free
+    for stream in (False, True):
+        answer = client.completions.create(
+            model=running.model_name, prompt=prompt, max_tokens=NEW, temperature=0,
+            logit_bias=bias, stream=stream, extra_body={"ignore_eos": True},
+        )  # fmt: skip
+        text = "".join(c.choices[0].text for c in answer) if stream else answer.choices[0].text
+        assert text == expected.text
+
+
+def test_echo_repeats_the_prompt(client: openai.OpenAI, cluster, offline: LLM, model_dir) -> None:
+    running, _ = cluster
+    tokenizer = Tokenizer.from_dir(model_dir)
+    text_prompt = "def add(a, b):"
+    ids = tokenizer.encode(text_prompt)
+    _, generated = _greedy(offline, ids)
+    for prompt in (text_prompt, ids):  # a token-id prompt echoes its text
+        kwargs = dict(
+            model=running.model_name, prompt=prompt, max_tokens=NEW, temperature=0, echo=True,
+            extra_body={"ignore_eos": True},
+        )  # fmt: skip
+        whole = client.completions.create(**kwargs)
+        assert whole.choices[0].text == text_prompt + generated
+        assert whole.usage.completion_tokens == NEW
+        chunks = list(client.completions.create(**kwargs, stream=True))
+        assert chunks[0].choices[0].text == text_prompt
+        assert "".join(c.choices[0].text for c in chunks) == text_prompt + generated
+
+
+def test_continuous_usage_stats_count_as_the_stream_goes(client: openai.OpenAI, cluster) -> None:
+    running, _ = cluster
+    stream = client.chat.completions.create(
+        model=running.model_name, messages=ASK, max_tokens=NEW, temperature=0, stream=True,
+        stream_options={"include_usage": True, "continuous_usage_stats": True},
+        extra_body={"ignore_eos": True},
+    )  # fmt: skip
+    chunks = list(stream)
+    counts = [c.usage.completion_tokens for c in chunks if c.choices]
+    assert counts[0] == 0 and counts[-1] == NEW and counts == sorted(counts)
+    prompt = {c.usage.prompt_tokens for c in chunks}
+    assert (
+        len(prompt) == 1
+        and chunks[-1].choices == []
+        and chunks[-1].usage.total_tokens == (prompt.pop() + NEW)
+    )
+    plain = client.chat.completions.create(
+        model=running.model_name, messages=ASK, max_tokens=2, stream=True,
+        stream_options={"include_usage": True},
+    )  # fmt: skip
+    *body, last = list(plain)
+    assert body and all(c.usage is None for c in body) and last.usage is not None

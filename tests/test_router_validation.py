@@ -246,6 +246,7 @@ def test_floats_arrive_exactly_as_sent() -> None:
             include_stop_str_in_output=True,
             logprobs=0,
             skip_special_tokens=False,
+            logit_bias={7: -100, 3: 0.25},
         ),
     ],
 )
@@ -380,3 +381,10 @@ def test_malformed_tool_fields_are_refused_by_name(
     turns = chat(("user", "Hi"))
     edit(turns)
     assert refusal(validator, request(chat=turns)).field == field
+
+
+def test_logit_bias_outside_the_vocabulary_is_refused(validator: RequestValidator) -> None:
+    sampling = common_pb2.SamplingParams(logit_bias={5: 1.0, validator.vocab_size: 2.0})
+    err = refusal(validator, request(prompt="Hi", sampling=sampling))
+    assert err.field == "sampling.logit_bias"
+    assert f"token id {validator.vocab_size}, out of range" in str(err)

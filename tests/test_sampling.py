@@ -99,6 +99,30 @@ def test_min_tokens_bans_stop_tokens_only_while_short() -> None:
     assert _sample(sampler, logits.clone(), [row]) == [2]
 
 
+def test_logit_bias_moves_each_rows_own_tokens() -> None:
+    sampler = Sampler(torch.device("cpu"), seed=0)
+    logits = torch.tensor([[0.0, 10.0, 1.0, 2.0]] * 3)
+    rows = [
+        _row(SamplingParams(temperature=0, logit_bias={1: -100})),  # the best banned
+        _row(SamplingParams(temperature=0, logit_bias={0: 100, 99: 5})),  # 99: past vocab
+        _row(SamplingParams(temperature=0)),
+    ]
+    assert _sample(sampler, logits.clone(), rows) == [3, 0, 1]
+    forced = SamplingParams(temperature=1.0, logit_bias={2: 100})
+    assert _draw(forced, torch.tensor([[0.0, 10.0, 1.0, 2.0]]), n=50) == {2}
+
+
+@pytest.mark.parametrize(
+    ("bias", "message"),
+    [({3: 101}, "values must be in"), ({-1: 1}, "keys must be token ids"),
+     ({3: float("nan")}, "values must be in")],
+)  # fmt: skip
+def test_logit_bias_is_checked(bias: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=f"logit_bias {message}"):
+        SamplingParams(logit_bias=bias)
+    assert SamplingParams(logit_bias={5: 1, 2: -3}).logit_bias == ((2, -3.0), (5, 1.0))
+
+
 @pytest.fixture(scope="module")
 def llm(make_checkpoint: Callable[..., Path]) -> LLM:
     return LLM(make_checkpoint("llama"), dtype="float32", num_kv_blocks=256)
@@ -161,3 +185,14 @@ def test_logprobs_are_sorted_and_consistent_with_greedy(llm: LLM) -> None:
         assert len(ids) == 3 and list(values) == sorted(values, reverse=True)
         assert ids[0] == token and lp.token_logprob == pytest.approx(values[0])
         assert all(v <= 0 for v in values)
+
+
+def test_logit_bias_steers_generation(llm: LLM) -> None:
+    prompt = random_prompts(1, 4096, (20, 20), seed=11)[0]
+    free = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))[0]
+    pushed = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logit_bias={77: 100})
+    assert llm.generate([prompt], pushed)[0].token_ids == [77] * 8
+    banned = {t: -100 for t in set(free.token_ids)}
+    out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True,
+                                                logit_bias=banned))[0]  # fmt: skip
+    assert not set(out.token_ids) & set(free.token_ids)

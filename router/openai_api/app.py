@@ -164,8 +164,10 @@ def make_app(
         prefix = "chatcmpl" if chat else "cmpl"
         answer = _Answer(generator, tokens, prefix, body.model, chat=chat, n=body.n, tools=tools)
         admitted = answer.admit(choices)
+        if isinstance(body, CompletionRequest) and body.echo:
+            answer.echo = [_prompt_text(generator, r) for r in choices]
         if body.stream:
-            return await answer.stream(request, admitted, body.include_usage)
+            return await answer.stream(request, admitted, body.include_usage, body.continuous_usage)
         return await answer.whole(request, admitted)
 
     @app.post("/v1/completions")
@@ -260,6 +262,8 @@ class _Answer:
     ) -> None:
         self.n = n
         self.tools = tools
+        self.echo: list[str] | None = None
+        """Per choice, the prompt text a completion with ``echo`` starts with."""
         self.generator = generator
         self.tokens = tokens
         self.chat = chat
@@ -345,12 +349,18 @@ class _Answer:
                 "logprobs": logprobs,
                 "finish_reason": finish,
             }
+        if self.echo is not None:
+            text = self.echo[index] + text
         return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": choice.finish}
 
     # --- streams -----------------------------------------------------------------------
 
     async def stream(
-        self, request: Request, admitted: list[ValidatedRequest], include_usage: bool
+        self,
+        request: Request,
+        admitted: list[ValidatedRequest],
+        include_usage: bool,
+        continuous_usage: bool = False,
     ) -> Response:
         """Server-sent events; the first event is awaited before answering, so a request
         no worker can take gets its HTTP status rather than a broken stream."""
@@ -373,13 +383,31 @@ class _Answer:
                 task.cancel()
             raise first[1].error
 
+        generated = [0] * len(admitted)
+
+        def running(index: int, completion: int) -> dict[str, int] | None:
+            """A choice's usage so far, for ``continuous_usage_stats``."""
+            if not continuous_usage:
+                return None
+            prompt = admitted[index].num_prompt_tokens
+            return {
+                "prompt_tokens": prompt,
+                "completion_tokens": completion,
+                "total_tokens": prompt + completion,
+            }
+
         async def events() -> AsyncIterator[str]:
             open_streams, usages = len(tasks), {}
             item: tuple[int, Any] | None = first
             try:
-                if self.chat:
-                    for index in range(len(tasks)):
-                        yield self._event(index, {"role": "assistant", "content": ""}, None, None)
+                for index in range(len(tasks)):  # a chat's role, or a completion's echo
+                    if self.chat:
+                        opening: Any = {"role": "assistant", "content": ""}
+                    elif self.echo is not None:
+                        opening = self.echo[index]
+                    else:
+                        continue
+                    yield self._event(index, opening, None, None, running(index, 0))
                 while open_streams:
                     index, response = item if item is not None else await queue.get()
                     item = None
@@ -405,6 +433,7 @@ class _Answer:
                     logprobs = None
                     if self.logprobs_wanted:
                         logprobs = self._logprobs(list(response.token_ids), list(response.logprobs))
+                    generated[index] += len(response.token_ids)
                     parser = parsers[index]
                     if parser is None:
                         content = {"content": response.text} if self.chat else response.text
@@ -412,7 +441,8 @@ class _Answer:
                         content, finish = self._tool_delta(parser, response.text, finish)
                         if not content and logprobs is None and finish is None:
                             continue  # held back: it may be the start of a call
-                    yield self._event(index, content, logprobs, finish)
+                    usage = running(index, generated[index])
+                    yield self._event(index, content, logprobs, finish, usage)
                 if include_usage:
                     yield _sse(
                         {
@@ -455,18 +485,26 @@ class _Answer:
     def _chunk_object(self) -> str:
         return "chat.completion.chunk" if self.chat else "text_completion"
 
-    def _event(self, index: int, content: Any, logprobs: Any, finish: str | None) -> str:
+    def _event(
+        self,
+        index: int,
+        content: Any,
+        logprobs: Any,
+        finish: str | None,
+        usage: dict[str, int] | None = None,
+    ) -> str:
         key = "delta" if self.chat else "text"
         choice = {"index": index, key: content, "logprobs": logprobs, "finish_reason": finish}
-        return _sse(
-            {
-                "id": self.id,
-                "object": self._chunk_object,
-                "created": self.created,
-                "model": self.model,
-                "choices": [choice],
-            }
-        )
+        chunk = {
+            "id": self.id,
+            "object": self._chunk_object,
+            "created": self.created,
+            "model": self.model,
+            "choices": [choice],
+        }
+        if usage is not None:
+            chunk["usage"] = usage
+        return _sse(chunk)
 
     # --- logprobs ----------------------------------------------------------------------
 
@@ -505,6 +543,13 @@ class _Answer:
             ],
             "text_offset": offsets,
         }
+
+
+def _prompt_text(generator: Generator, request: generation_pb2.GenerateRequest) -> str:
+    """What ``echo`` repeats: the prompt as sent, or a token-id prompt's text."""
+    if request.WhichOneof("input") == "prompt":
+        return request.prompt
+    return generator.tokenizer.decode(list(request.token_ids.ids))
 
 
 class _Failure(Exception):

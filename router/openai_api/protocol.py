@@ -33,6 +33,8 @@ TokenCount = Annotated[int, Field(ge=1, le=UINT32_MAX)]
 
 class StreamOptions(BaseModel):
     include_usage: bool = False
+    continuous_usage_stats: bool = False
+    """vLLM's: with ``include_usage``, every chunk carries its choice's usage so far."""
 
 
 class _Sampling(BaseModel):
@@ -68,9 +70,8 @@ class _Sampling(BaseModel):
 
     def _sampling(self, max_tokens: int | None, logprobs: int | None) -> common_pb2.SamplingParams:
         _check_text(self.model, "model")
-        if self.logit_bias:
-            raise Unsupported("logit_bias", "logit_bias is not supported")
         sampling = common_pb2.SamplingParams(ignore_eos=self.ignore_eos)
+        sampling.logit_bias.update(_logit_bias(self.logit_bias or {}))
         structured = self._structured()
         if structured is not None:
             sampling.structured.CopyFrom(structured)
@@ -146,6 +147,28 @@ class _Sampling(BaseModel):
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
 
+    @property
+    def continuous_usage(self) -> bool:
+        return self.include_usage and bool(self.stream_options.continuous_usage_stats)
+
+
+def _logit_bias(bias: dict[str, float]) -> dict[int, float]:
+    """OpenAI's ``logit_bias``: token ids as JSON keys (strings), biases in [-100, 100]."""
+    out = {}
+    for key, value in bias.items():
+        try:
+            token_id = int(key)
+        except ValueError:
+            token_id = -1
+        if not 0 <= token_id <= UINT32_MAX:
+            raise Unsupported("logit_bias", f"logit_bias keys are token ids, got {key!r}")
+        if not -100 <= value <= 100:  # NaN fails this too
+            raise Unsupported(
+                "logit_bias", f"logit_bias values must be in [-100, 100], got {value} for {key}"
+            )
+        out[token_id] = value
+    return out
+
 
 def _response_format(form: dict[str, Any]) -> common_pb2.StructuredOutput | None:
     kind = form.get("type")
@@ -178,8 +201,12 @@ class CompletionRequest(_Sampling):
 
     def requests(self) -> list[list[generation_pb2.GenerateRequest]]:
         """Per prompt of the batch, its ``n`` choices."""
-        if self.echo:
-            raise Unsupported("echo", "echo is not supported")
+        if self.echo and self.logprobs is not None:
+            raise Unsupported(
+                "echo",
+                "echo with logprobs needs the prompt's log-probabilities, which Tandem does "
+                "not compute yet: send echo or logprobs",
+            )
         if self.suffix:
             raise Unsupported("suffix", "suffix is not supported")
         if self.best_of not in (None, 1, self.n):

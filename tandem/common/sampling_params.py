@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import enum
 import json
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 MAX_LOGPROBS = 20
@@ -115,6 +116,9 @@ class SamplingParams:
     speculative: SpeculativeOptions = field(default_factory=SpeculativeOptions)
     structured: StructuredOutput | None = None
     """Constrained decoding (``None``: free text)."""
+    logit_bias: tuple[tuple[int, float], ...] = field(default_factory=tuple)
+    """``(token id, bias)`` pairs added to the logits before sampling (OpenAI's
+    ``logit_bias``, each in [-100, 100]); a mapping is accepted and stored sorted."""
 
     def __post_init__(self) -> None:
         # Accept lists (and a bare string for `stop`) from callers; store tuples.
@@ -122,6 +126,9 @@ class SamplingParams:
             object.__setattr__(self, "stop", (self.stop,))
         object.__setattr__(self, "stop", tuple(self.stop))
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        bias = self.logit_bias
+        pairs = bias.items() if isinstance(bias, Mapping) else bias
+        object.__setattr__(self, "logit_bias", tuple(sorted((int(t), float(b)) for t, b in pairs)))
         self._validate()
 
     def _validate(self) -> None:
@@ -165,6 +172,13 @@ class SamplingParams:
             "stop_token_ids",
             f"must be non-negative token ids, got {list(self.stop_token_ids)}",
         )
+        for token_id, bias in self.logit_bias:
+            _check(token_id >= 0, "logit_bias", f"keys must be token ids, got {token_id}")
+            _check(
+                -100 <= bias <= 100,
+                "logit_bias",
+                f"values must be in [-100, 100], got {bias} for token {token_id}",
+            )
 
     @property
     def greedy(self) -> bool:

@@ -74,6 +74,7 @@ def sampling_from_proto(
         stop_token_ids=tuple(msg.stop_token_ids),
         speculative=_speculative_from_proto(msg.speculative),
         structured=_structured_from_proto(msg),
+        logit_bias=dict(msg.logit_bias),
         **kwargs,
     )
 
@@ -124,6 +125,7 @@ def sampling_to_proto(params: SamplingParams) -> common_pb2.SamplingParams:
     )
     if params.structured is not None:
         msg.structured.CopyFrom(_structured_to_proto(params.structured))
+    msg.logit_bias.update(dict(params.logit_bias))
     for name in _PLAIN_FIELDS:
         setattr(msg, name, getattr(params, name))
     for name in _OPTIONAL_FIELDS:
