@@ -21,7 +21,7 @@ the forward, sampling). Figures:
   collective's time includes waiting for the other rank to reach it. Timed by pointing
   rank 0's parallel layers at a timing stand-in for their group (``instrument``), in
   the benchmark's child only; the engine's code is unchanged.
-* **memory per rank**, once the requests are done: RSS (psutil on ``LocalRanks.pids``),
+* **memory per rank**, once the requests are done: RSS (``VmRSS``, of each of ``LocalRanks.pids``),
   anonymous RSS and peak RSS (``/proc``: ``RssAnon``, ``VmHWM``) of every rank's
   process, the child's RSS before the engine started (interpreter, torch and the engine
   imported: what every rank costs before weights), and the bytes of weights (from the
@@ -211,9 +211,10 @@ def rank_memory(engine: LLMEngine, job: Job) -> list[RankMemory]:
     kv = engine.runner.layout.bytes_per_block * engine.num_kv_blocks
     memory = []
     for rank, pid in enumerate(pids):
+        # One read of /proc/PID/status: RSS, anonymous RSS and the high-water mark of one
+        # moment (a separate RSS read can land after the process grew past the mark).
         status = _proc_status_kib(pid)
-        rss = psutil.Process(pid).memory_info().rss
-        anon, peak = 1024 * status["RssAnon"], 1024 * status["VmHWM"]
+        rss, anon, peak = (1024 * status[k] for k in ("VmRSS", "RssAnon", "VmHWM"))
         memory.append(RankMemory(rank, rss, anon, peak, weights[rank], kv))
     return memory
 
