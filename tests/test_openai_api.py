@@ -235,7 +235,7 @@ def test_errors_have_openais_shape_and_status(client: openai.OpenAI, cluster) ->
             "messages[0].content",
         ),
         ("chat/completions", {"min_tokens": -1}, "min_tokens"),
-        ("chat/completions", {"stop_token_ids": [3, -4]}, "stop_token_ids.1"),
+        ("chat/completions", {"stop_token_ids": [3, -4]}, "stop_token_ids[1]"),
         ("chat/completions", {"stop": ["ok", "\ud83d"]}, "stop[1]"),
     ],
 )

@@ -27,6 +27,7 @@ import prometheus_client
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from tandem.common.wire import FINISH_REASON_FROM_PROTO
 from tandem.protos import common_pb2, generation_pb2
@@ -80,17 +81,29 @@ def make_app(
 ) -> FastAPI:
     """The app over ``generator``; ``tool_parser`` (``--tool-call-parser``, given with
     ``--enable-auto-tool-choice``) turns on ``tool_choice: auto``."""
-    app = FastAPI(title="Tandem", docs_url=None, redoc_url=None, openapi_url=None)
+    # The OpenAPI schema at /openapi.json, as vLLM serves it (no docs pages: they load
+    # scripts from a CDN).
+    version = importlib.metadata.version("tandem")
+    app = FastAPI(title="Tandem", version=version, docs_url=None, redoc_url=None)
     tokens = _TokenText(generator)
 
     @app.exception_handler(ApiError)
     async def api_error(request: Request, error: ApiError) -> JSONResponse:
         return error.response()
 
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, error: StarletteHTTPException) -> JSONResponse:
+        """Starlette's own answers (an unknown path, a wrong method) in OpenAI's shape."""
+        kind = {404: "not_found_error", 405: "invalid_request_error"}.get(
+            error.status_code, "invalid_request_error"
+        )
+        message = f"{request.method} {request.url.path}: {error.detail}"
+        return ApiError(error.status_code, message, kind, headers=error.headers).response()
+
     @app.exception_handler(RequestValidationError)
     async def bad_body(request: Request, error: RequestValidationError) -> JSONResponse:
         first = error.errors()[0] if error.errors() else {}
-        where = ".".join(str(p) for p in first.get("loc", ()) if p != "body")
+        where = _location(first.get("loc", ()))
         return _invalid(
             f"{where or 'body'}: {first.get('msg', 'invalid request')}", where
         ).response()
@@ -611,6 +624,24 @@ _PARAMS = {
 }
 """The OpenAI parameter a validator field stands for, where the names differ (by the
 field's first one or two parts)."""
+
+
+_TYPE_TAGS = frozenset({"str", "int", "float", "bool", "dict", "list", "none"})
+
+
+def _location(loc: Sequence[str | int]) -> str:
+    """A pydantic error location as the parameter it names: ``("body", "prompt", 1)`` is
+    ``prompt[1]``; the tags of a union's members (``str``, ``list[int]``,
+    ``constrained-str``) and of a dict's keys are left out."""
+    out = ""
+    for i, part in enumerate(loc):
+        if isinstance(part, int):
+            out += f"[{part}]"
+        elif (i == 0 and part == "body") or part in _TYPE_TAGS or not part.isidentifier():
+            continue
+        else:
+            out += f".{part}" if out else part
+    return out
 
 
 def _param(field: str) -> str:

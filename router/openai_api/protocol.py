@@ -29,6 +29,8 @@ Count = Annotated[int, Field(ge=0, le=UINT32_MAX)]
 """A non-negative count or token id the wire carries as uint32: out of range is a 400
 naming the field (not a protobuf error and a 500)."""
 TokenCount = Annotated[int, Field(ge=1, le=UINT32_MAX)]
+Text = Annotated[str, Field(min_length=1)]
+"""A prompt: empty is refused (it encodes to nothing to continue)."""
 
 
 class StreamOptions(BaseModel):
@@ -46,15 +48,16 @@ class _Sampling(BaseModel):
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
     seed: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
+    # Bounds as the validator checks them, so the OpenAPI schema says what is accepted.
+    temperature: float | None = Field(None, ge=0)
+    top_p: float | None = Field(None, gt=0, le=1)
+    presence_penalty: float | None = Field(None, ge=-2, le=2)
+    frequency_penalty: float | None = Field(None, ge=-2, le=2)
     # extras of OpenAI-compatible servers
     top_k: int | None = Field(None, ge=-1, le=UINT32_MAX)
     """-1 or 0: no top-k filter, whatever the model's default (vLLM's meaning)."""
-    min_p: float | None = None
-    repetition_penalty: float | None = None
+    min_p: float | None = Field(None, ge=0, le=1)
+    repetition_penalty: float | None = Field(None, gt=0)
     ignore_eos: bool = False
     stop_token_ids: list[Count] | None = None
     min_tokens: Count | None = None
@@ -66,7 +69,7 @@ class _Sampling(BaseModel):
     guided_json: dict[str, Any] | str | None = None
     guided_regex: str | None = None
     guided_grammar: str | None = None
-    guided_choice: list[str] | None = None
+    guided_choice: list[str] | None = Field(None, min_length=1)
 
     def _sampling(self, max_tokens: int | None, logprobs: int | None) -> common_pb2.SamplingParams:
         _check_text(self.model, "model")
@@ -192,7 +195,7 @@ def _response_format(form: dict[str, Any]) -> common_pb2.StructuredOutput | None
 
 
 class CompletionRequest(_Sampling):
-    prompt: str | list[str] | list[int] | list[list[int]]
+    prompt: Text | list[Text] | list[int] | list[list[int]]
     max_tokens: TokenCount | None = 16
     logprobs: int | None = Field(None, ge=0, le=20)
     echo: bool = False
@@ -221,7 +224,8 @@ class CompletionRequest(_Sampling):
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
-    role: str
+    role: str = Field(json_schema_extra={"enum": ["system", "user", "assistant", "tool"]})
+    """Any role the chat template knows; the schema lists OpenAI's."""
     content: str | list[dict[str, Any]] | None = None
     tool_calls: list[dict[str, Any]] | None = None
     """An assistant turn's calls: ``[{"id", "type": "function", "function": {"name",
