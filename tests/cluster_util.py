@@ -70,6 +70,18 @@ def worker_status(cluster: LocalCluster, name: str) -> worker_pb2.WorkerStatus:
     return cluster.worker_status(name)
 
 
+def held_kv(cluster: LocalCluster) -> tuple[int, int, int, int]:
+    """What a one-prefill, one-decode cluster still holds: prefill blocks in use, prefill
+    leases, decode requests running, decode blocks in use (all 0 when idle)."""
+    p, d = worker_status(cluster, "prefill-0"), worker_status(cluster, "decode-0")
+    return (
+        p.num_kv_blocks - p.num_free_kv_blocks,
+        p.num_leases,
+        d.num_running,
+        d.num_kv_blocks - d.num_free_kv_blocks,
+    )
+
+
 def cluster_spec(
     model_dir: Path, redis_url: str, log_dir: Path, name: str, **overrides: object
 ) -> ClusterSpec:

@@ -22,7 +22,7 @@ from tandem.cli.launcher import LocalCluster
 from tandem.common.sampling_params import StructuredKind, StructuredOutput
 from tandem.common.tokenizer import Tokenizer
 from tandem.engine import LLM, SamplingParams
-from tests.cluster_util import cluster_spec, free_port, worker_status
+from tests.cluster_util import cluster_spec, free_port, held_kv, worker_status
 from tests.hf_reference import random_prompts
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
@@ -420,13 +420,7 @@ def test_a_client_that_disconnects_frees_the_kv_on_both_workers(cluster) -> None
     # long before the answer would have finished (13.5 s at 30 ms a step).
     deadline = time.monotonic() + 5
     while True:
-        p, d = worker_status(running, "prefill-0"), worker_status(running, "decode-0")
-        busy = (
-            p.num_kv_blocks - p.num_free_kv_blocks,
-            p.num_leases,
-            d.num_running,
-            d.num_kv_blocks - d.num_free_kv_blocks,
-        )
+        busy = held_kv(running)
         if not any(busy):
             break
         assert time.monotonic() < deadline, f"still held after the disconnect: {busy}"

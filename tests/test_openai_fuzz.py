@@ -20,7 +20,7 @@ from hypothesis import HealthCheck, settings  # noqa: E402
 from schemathesis import GenerationMode  # noqa: E402
 
 from tandem.cli.launcher import LocalCluster  # noqa: E402
-from tests.cluster_util import cluster_spec, free_port, worker_status  # noqa: E402
+from tests.cluster_util import cluster_spec, free_port, held_kv  # noqa: E402
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
@@ -49,14 +49,7 @@ def base_url(
     with LocalCluster(spec) as running:
         yield f"http://127.0.0.1:{http_port}"
         # Every request the fuzzing made has ended: nothing left running or holding KV.
-        p, d = worker_status(running, "prefill-0"), worker_status(running, "decode-0")
-        held = (
-            p.num_kv_blocks - p.num_free_kv_blocks,
-            p.num_leases,
-            d.num_running,
-            d.num_kv_blocks - d.num_free_kv_blocks,
-        )
-        assert held == (0, 0, 0, 0)
+        assert held_kv(running) == (0, 0, 0, 0)
 
 
 @pytest.fixture(scope="module")
