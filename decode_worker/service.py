@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 import grpc
 
+from tandem.common import tracing
 from tandem.common.faults import fault_at
 from tandem.common.kv_events.publisher import KVEventPublisher
 from tandem.common.kv_events.wire import snapshot_to_proto
@@ -46,6 +47,9 @@ class _PendingPull:
     blocks_pulled: int = 0
     ranks_pull_id: int | None = None
     """Tensor-parallel: the pull the other ranks staged, until written or dropped."""
+    span: tracing.AnySpan = tracing.NO_SPAN
+    """The decode's span, the parent of the pull's (the engine starts the pull from its
+    own thread, outside the call)."""
 
 
 def _quietly(fn: Callable[..., object], *args: object) -> None:
@@ -82,6 +86,33 @@ class DecodeService(worker_pb2_grpc.DecodeWorkerServicer):
     async def Decode(
         self, request: worker_pb2.DecodeRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[worker_pb2.DecodeResponse]:
+        parent = tracing.extract(context.invocation_metadata())
+        span = tracing.start(
+            "tandem.decode",
+            parent,
+            {"tandem.request_id": request.request_id, "tandem.worker": self.worker_id},
+            server=True,
+        )
+        tokens = 0
+        try:
+            async for response in self._decode(request, context, span):
+                tokens += len(response.token_ids)
+                yield response
+        except BaseException as err:
+            if not isinstance(err, GeneratorExit):
+                span.record_exception(err)
+            raise
+        finally:
+            if span.recording:
+                span.set_attribute("tandem.tokens", tokens)
+            span.end()
+
+    async def _decode(
+        self,
+        request: worker_pb2.DecodeRequest,
+        context: grpc.aio.ServicerContext,
+        span: tracing.AnySpan,
+    ) -> AsyncIterator[worker_pb2.DecodeResponse]:
         rid = request.request_id
         self.num_requests += 1
         try:
@@ -91,7 +122,15 @@ class DecodeService(worker_pb2_grpc.DecodeWorkerServicer):
         remote = request.HasField("kv")
         if remote:
             self._pulls[rid] = _PendingPull(
-                request.kv, asyncio.create_task(self._renew(request.kv))
+                request.kv, asyncio.create_task(self._renew(request.kv)), span=span
+            )
+        if span.recording:
+            span.set_attributes(
+                {
+                    "tandem.prompt_tokens": len(request.prompt_token_ids),
+                    "tandem.resumed_tokens": len(request.output_token_ids),
+                    "tandem.kv_handle": remote,
+                }
             )
         stream = self.engine.generate(
             list(request.prompt_token_ids),
@@ -117,6 +156,17 @@ class DecodeService(worker_pb2_grpc.DecodeWorkerServicer):
                     if first:
                         self._describe_kv(response, rid, delta.num_cached_tokens)
                         self.metrics.queue_time.observe(delta.queued_s)
+                        if span.recording:
+                            span.add_event("first token")
+                            span.set_attributes(
+                                {
+                                    "tandem.queue_s": delta.queued_s,
+                                    "tandem.cached_prompt_tokens": delta.num_cached_tokens,
+                                    "tandem.kv_source": worker_pb2.KVSource.Name(
+                                        response.kv_source
+                                    ),
+                                }
+                            )
                         if not remote:
                             self.metrics.observe_prefix(
                                 len(request.prompt_token_ids), delta.num_cached_tokens
@@ -174,6 +224,11 @@ class DecodeService(worker_pb2_grpc.DecodeWorkerServicer):
     async def _fetch(self, pending: _PendingPull, order: KVPull):
         handle = pending.handle
         indices = list(range(order.first_block, order.first_block + len(order.block_ids)))
+        span = tracing.start(
+            "tandem.kv.pull",
+            pending.span if pending.span.recording else None,
+            {"tandem.prefill_worker": handle.prefill_worker_id, "tandem.kv_blocks": len(indices)},
+        )
         try:
             packed = None
             if indices:
@@ -182,6 +237,7 @@ class DecodeService(worker_pb2_grpc.DecodeWorkerServicer):
                     handle.kv_endpoint, handle.lease_id, indices, self.pull_timeout_s
                 )
                 self.metrics.kv_pull_seconds.observe(time.monotonic() - start)
+                span.set_attribute("tandem.kv_bytes", packed.nbytes)
         except KVPullFailed as err:
             log.warning(
                 "KV pull for %s failed, prefilling locally: %s", order.request.request_id, err
@@ -189,9 +245,12 @@ class DecodeService(worker_pb2_grpc.DecodeWorkerServicer):
             self.num_fallbacks += 1
             self.metrics.kv_fallbacks.inc()
             pending.source = worker_pb2.KV_SOURCE_FALLBACK
+            span.set_attribute("tandem.fallback", True)
+            span.fail(f"falling back to a local prefill: {err}")
             return None
         finally:
             self._release_later(handle)
+            span.end()
         pending.source, pending.blocks_pulled = worker_pb2.KV_SOURCE_PULLED, len(indices)
         if packed is None:
             return lambda block_ids: None

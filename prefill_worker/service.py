@@ -16,6 +16,7 @@ import time
 
 import grpc
 
+from tandem.common import tracing
 from tandem.common.kv_events.publisher import KVEventPublisher
 from tandem.common.kv_events.wire import snapshot_to_proto
 from tandem.common.metrics import RequestTimer
@@ -64,6 +65,26 @@ class PrefillService(worker_pb2_grpc.PrefillWorkerServicer):
     async def Prefill(
         self, request: worker_pb2.PrefillRequest, context: grpc.aio.ServicerContext
     ) -> worker_pb2.PrefillResponse:
+        parent = tracing.extract(context.invocation_metadata())
+        attributes = {"tandem.request_id": request.request_id, "tandem.worker": self.worker_id}
+        with tracing.span("tandem.prefill", parent, attributes, server=True) as span:
+            response = await self._prefill(request, context, span)
+            if span.recording:
+                span.set_attributes(
+                    {
+                        "tandem.prompt_tokens": len(request.prompt_token_ids),
+                        "tandem.cached_prompt_tokens": response.cached_prompt_tokens,
+                        "tandem.kv_blocks_leased": response.kv.num_blocks,
+                    }
+                )
+            return response
+
+    async def _prefill(
+        self,
+        request: worker_pb2.PrefillRequest,
+        context: grpc.aio.ServicerContext,
+        span: tracing.AnySpan,
+    ) -> worker_pb2.PrefillResponse:
         self.num_requests += 1
         num_prompt = len(request.prompt_token_ids)
         timer = RequestTimer(self.metrics.requests, num_prompt, time.monotonic)
@@ -75,6 +96,7 @@ class PrefillService(worker_pb2_grpc.PrefillWorkerServicer):
         timer.tokens(len(delta.new_token_ids))
         timer.end(delta.finish_reason or "prefilled")
         self.metrics.queue_time.observe(delta.queued_s)
+        span.set_attribute("tandem.queue_s", delta.queued_s)
         self.metrics.observe_prefix(num_prompt, delta.num_cached_tokens)
         response = worker_pb2.PrefillResponse(
             first_token_id=delta.new_token_ids[0],

@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 
 import grpc
 
+from tandem.common import tracing
 from tandem.common.hashing import hash_blocks
 from tandem.common.registry import RegistryWatcher, WorkerRecord, WorkerRole
 from tandem.common.wire import FINISH_REASON_FROM_PROTO, sampling_to_proto
@@ -108,6 +109,9 @@ class RequestTrace:
     first_token_at: float | None = None
     predicted_prefix_blocks: int = 0
     """What the KV index said the chosen prefill worker holds of the prompt."""
+    span: tracing.AnySpan = tracing.NO_SPAN
+    """The request's span (``tandem.router.request``): routing, the prefill and each
+    decode attempt are traced under it."""
 
 
 @dataclass(frozen=True)
@@ -197,7 +201,11 @@ class Orchestrator:
         for _ in range(self.config.max_prefill_attempts):
             suspects = self.suspects.current()
             pick = self._pick_first(
-                WorkerRole.PREFILL, self.prefill_policy, routing, (tried | suspects, tried)
+                WorkerRole.PREFILL,
+                self.prefill_policy,
+                routing,
+                (tried | suspects, tried),
+                trace.span,
             )
             if pick is None:
                 return None
@@ -206,22 +214,27 @@ class Orchestrator:
             ticket = self.pools.begin_prefill(
                 worker.info.worker_id, max(1, request.num_prompt_tokens - cached)
             )
+            span = _call_span("tandem.router.prefill", trace, worker, len(tried))
             try:
                 response = await self.clients.prefill(worker).Prefill(
-                    message, timeout=_remaining(deadline)
+                    message, timeout=_remaining(deadline), metadata=tracing.metadata(span)
                 )
             except (grpc.aio.AioRpcError, asyncio.CancelledError) as err:
+                span.fail(_why(err))
                 if not worker_failed(err):
                     raise
                 log.warning(
                     "prefill on %s failed (%s); trying another", worker.info.worker_id, _why(err)
                 )
+                trace.span.add_event("prefill retry", {"tandem.worker": worker.info.worker_id})
                 tried.add(worker.info.worker_id)
                 self.suspects.mark(worker.info.worker_id)
                 self.metrics.prefill_retries.inc()
                 continue
             finally:
                 self.pools.end(ticket)
+                span.end()
+            span.set_attribute("tandem.cached_prompt_tokens", response.cached_prompt_tokens)
             trace.prefill_worker = worker.info.worker_id
             trace.cached_prompt_tokens = response.cached_prompt_tokens
             trace.predicted_prefix_blocks = pick.matched_blocks
@@ -271,7 +284,9 @@ class Orchestrator:
             suspects = self.suspects.current()
             just_left = {last} if last is not None else tried
             excludes = (tried | suspects, just_left | suspects, suspects, tried, just_left, set())
-            pick = self._pick_first(WorkerRole.DECODE, self.decode_policy, routing, excludes)
+            pick = self._pick_first(
+                WorkerRole.DECODE, self.decode_policy, routing, excludes, trace.span
+            )
             if pick is None:
                 break
             worker = pick.worker
@@ -290,14 +305,23 @@ class Orchestrator:
                 priority=request.priority,
                 kv=handle,
             )
-            call = self.clients.decode(worker).Decode(message, timeout=_remaining(deadline))
+            span = _call_span("tandem.router.decode", trace, worker, attempt)
+            if span.recording:
+                span.set_attributes(
+                    {"tandem.kv_handle": handle is not None, "tandem.resumed_tokens": len(produced)}
+                )
+            call = self.clients.decode(worker).Decode(
+                message, timeout=_remaining(deadline), metadata=tracing.metadata(span)
+            )
+            why = "the stream ended without a finish reason"
             try:
                 async for response in _within_bounds(call, StreamClock(self.config.stall)):
-                    self._note_kv(response, trace)
+                    self._note_kv(response, trace, span)
                     produced.extend(response.token_ids)
                     finish = FINISH_REASON_FROM_PROTO[response.finish_reason]
                     if trace.first_token_at is None and response.token_ids:
                         trace.first_token_at = time.monotonic()
+                        trace.span.add_event("first token")
                     yield TokenChunk(tuple(response.token_ids), tuple(response.logprobs), finish)
                     if finish is not None:
                         return
@@ -306,13 +330,16 @@ class Orchestrator:
                     worker.info.worker_id,
                 )
             except StreamStalled as err:
+                why = f"stalled: {err}"
                 log.warning(
                     "decode on %s stalled (%s); continuing elsewhere", worker.info.worker_id, err
                 )
                 self.metrics.decode_stalls.inc()
                 self.suspects.mark(worker.info.worker_id)
             except (grpc.aio.AioRpcError, asyncio.CancelledError) as err:
+                why = _why(err)
                 if not worker_failed(err):
+                    span.fail(why)
                     raise
                 log.warning(
                     "decode on %s failed (%s); continuing elsewhere",
@@ -323,6 +350,14 @@ class Orchestrator:
             finally:
                 call.cancel()
                 self.pools.end(ticket)
+                if span.recording:
+                    span.set_attribute("tandem.tokens", len(produced))
+                span.end()
+            span.fail(why)
+            trace.span.add_event(
+                "decode migration",
+                {"tandem.from_worker": worker.info.worker_id, "tandem.reason": why},
+            )
             tried.add(worker.info.worker_id)
             last = worker.info.worker_id
             self.metrics.decode_migrations.inc()
@@ -334,10 +369,19 @@ class Orchestrator:
         )
         raise NoWorkerAvailable("no decode worker is available for this model")
 
-    def _note_kv(self, response: worker_pb2.DecodeResponse, trace: RequestTrace) -> None:
+    def _note_kv(
+        self, response: worker_pb2.DecodeResponse, trace: RequestTrace, span: tracing.AnySpan
+    ) -> None:
         if response.kv_source != worker_pb2.KV_SOURCE_UNSPECIFIED:
             trace.kv_source = response.kv_source
             trace.blocks_pulled = response.blocks_pulled
+            if span.recording:
+                span.set_attributes(
+                    {
+                        "tandem.kv_source": worker_pb2.KVSource.Name(response.kv_source),
+                        "tandem.kv_blocks_pulled": response.blocks_pulled,
+                    }
+                )
             self.metrics.kv_blocks_pulled.inc(response.blocks_pulled)
             if trace.prefill_worker is None:
                 trace.cached_prompt_tokens = response.cached_prompt_tokens
@@ -370,17 +414,31 @@ class Orchestrator:
         policy: RoutingPolicy,
         routing: RoutingRequest,
         excludes: Sequence[set[str] | frozenset[str]],
+        parent: tracing.AnySpan = tracing.NO_SPAN,
     ) -> _Pick | None:
         """A pick from the pool without the first of ``excludes`` that leaves anyone.
-        Without suspects, and on the first try, that is simply the first."""
+        Without suspects, and on the first try, that is simply the first. Traced as
+        ``tandem.router.route`` under ``parent``."""
         seen: list[set[str] | frozenset[str]] = []
-        for exclude in excludes:
-            if exclude in seen:
-                continue
-            seen.append(exclude)
-            pick = self._pick(role, policy, routing, exclude)
-            if pick is not None:
-                return pick
+        with tracing.span("tandem.router.route", parent if parent.recording else None) as span:
+            for exclude in excludes:
+                if exclude in seen:
+                    continue
+                seen.append(exclude)
+                pick = self._pick(role, policy, routing, exclude)
+                if pick is not None:
+                    if span.recording:
+                        span.set_attributes(
+                            {
+                                "tandem.role": role.value,
+                                "tandem.policy": policy.name,
+                                "tandem.worker": pick.worker.info.worker_id,
+                                "tandem.matched_blocks": pick.matched_blocks,
+                                "tandem.excluded": sorted(exclude),
+                            }
+                        )
+                    return pick
+            span.fail(f"no {role.value} worker left")
         return None
 
     def _pick(
@@ -422,6 +480,17 @@ async def _within_bounds(
             return
         clock.observe()
         yield response
+
+
+def _call_span(
+    name: str, trace: RequestTrace, worker: WorkerRecord, attempt: int
+) -> tracing.AnySpan:
+    """A span for one call to a worker, under the request's (none when not traced)."""
+    if not trace.span.recording:
+        return tracing.NO_SPAN
+    return tracing.start(
+        name, trace.span, {"tandem.worker": worker.info.worker_id, "tandem.attempt": attempt}
+    )
 
 
 def _why(err: BaseException) -> str:

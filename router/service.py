@@ -16,6 +16,7 @@ from collections.abc import AsyncIterator
 
 import grpc
 
+from tandem.common import tracing
 from tandem.common.metrics import RequestTimer
 from tandem.common.registry import WorkerRole
 from tandem.common.text_stream import TextStream
@@ -73,32 +74,45 @@ class Generator:
             num_decode_workers=len(watcher.workers(WorkerRole.DECODE)),
         )
 
-    def admit(self, request: generation_pb2.GenerateRequest) -> ValidatedRequest:
+    def admit(
+        self, request: generation_pb2.GenerateRequest, parent: tracing.Parent = None
+    ) -> ValidatedRequest:
         """Validate (``InvalidRequest``) and check room (``Overloaded``), before any
-        answer is sent."""
-        try:
-            validated = self.validator.validate(request)
-        except InvalidRequest:
-            self.metrics.failed("INVALID_ARGUMENT")
-            raise
-        if self.num_pending >= self.max_pending_requests:
-            self.metrics.failed("RESOURCE_EXHAUSTED")
-            raise Overloaded(
-                f"the router is at its limit of {self.max_pending_requests} requests in "
-                "flight; retry later"
-            )
-        return validated
+        answer is sent; traced as ``tandem.router.admit`` under ``parent``."""
+        with tracing.span("tandem.router.admit", parent) as span:
+            try:
+                validated = self.validator.validate(request)
+            except InvalidRequest:
+                self.metrics.failed("INVALID_ARGUMENT")
+                raise
+            if self.num_pending >= self.max_pending_requests:
+                self.metrics.failed("RESOURCE_EXHAUSTED")
+                raise Overloaded(
+                    f"the router is at its limit of {self.max_pending_requests} requests in "
+                    "flight; retry later"
+                )
+            if span.recording:
+                span.set_attributes(
+                    {
+                        "tandem.request_id": validated.request_id,
+                        "tandem.prompt_tokens": validated.num_prompt_tokens,
+                        "tandem.pending_requests": self.num_pending,
+                    }
+                )
+            return validated
 
     async def stream(
-        self, request: ValidatedRequest, deadline: float | None
+        self, request: ValidatedRequest, deadline: float | None, parent: tracing.Parent = None
     ) -> AsyncIterator[generation_pb2.GenerateResponse]:
-        """The answer to an admitted request; ``deadline``: a ``time.monotonic()`` instant."""
+        """The answer to an admitted request; ``deadline``: a ``time.monotonic()`` instant.
+        Traced as ``tandem.router.request`` under ``parent``, with routing, the prefill and
+        each decode attempt inside."""
         self.num_pending += 1
         self.metrics.num_running.inc()
         timer = RequestTimer(self.metrics.requests, request.num_prompt_tokens, time.monotonic)
         finished: str | None = None
         failure = "CANCELLED"  # the client left, unless something below says otherwise
-        trace = RequestTrace()
+        trace = RequestTrace(span=_request_span(request, parent))
         text = TextStream(self.tokenizer, request.sampling)
         num_tokens = 0
         chunks = self.orchestrator.run(request, trace, deadline)
@@ -142,6 +156,44 @@ class Generator:
             timer.end(finished)
             if finished is None:
                 self.metrics.failed(failure)
+            _end_request_span(trace, finished, failure, num_tokens)
+
+
+def _request_span(request: ValidatedRequest, parent: tracing.Parent) -> tracing.AnySpan:
+    if not tracing.enabled():
+        return tracing.NO_SPAN
+    sampling = request.sampling
+    return tracing.start(
+        "tandem.router.request",
+        parent,
+        {
+            "tandem.request_id": request.request_id,
+            "tandem.prompt_tokens": request.num_prompt_tokens,
+            "tandem.max_tokens": sampling.max_tokens,
+            "tandem.temperature": sampling.temperature,
+            "tandem.structured": sampling.structured is not None,
+        },
+    )
+
+
+def _end_request_span(
+    trace: RequestTrace, finished: str | None, failure: str, num_tokens: int
+) -> None:
+    span = trace.span
+    if not span.recording:
+        return
+    span.set_attributes(
+        {
+            "tandem.completion_tokens": num_tokens,
+            "tandem.cached_prompt_tokens": trace.cached_prompt_tokens,
+            "tandem.prefill_worker": trace.prefill_worker or "",
+            "tandem.decode_workers": list(trace.decode_workers),
+            "tandem.finish_reason": finished or failure,
+        }
+    )
+    if finished is None:
+        span.fail(failure)
+    span.end()
 
 
 class GenerationService(generation_pb2_grpc.GenerationServicer):
@@ -151,23 +203,36 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
     async def Generate(
         self, request: generation_pb2.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[generation_pb2.GenerateResponse]:
+        # A caller's W3C traceparent in the metadata continues its trace.
+        parent = tracing.extract(context.invocation_metadata())
+        root = tracing.start("tandem.v1.Generation/Generate", parent, server=True)
         try:
-            validated = self.generator.admit(request)
-        except InvalidRequest as err:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
-        except Overloaded as err:
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(err))
-        remaining = context.time_remaining()
-        deadline = None if remaining is None else time.monotonic() + remaining
-        try:
-            async for response in self.generator.stream(validated, deadline):
-                yield response
-        except NoWorkerAvailable as err:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, str(err))
-        except WorkerError as err:
-            await context.abort(err.code, str(err))
+            try:
+                validated = self.generator.admit(request, root)
+            except InvalidRequest as err:
+                await _abort(context, root, grpc.StatusCode.INVALID_ARGUMENT, str(err))
+            except Overloaded as err:
+                await _abort(context, root, grpc.StatusCode.RESOURCE_EXHAUSTED, str(err))
+            remaining = context.time_remaining()
+            deadline = None if remaining is None else time.monotonic() + remaining
+            try:
+                async for response in self.generator.stream(validated, deadline, root):
+                    yield response
+            except NoWorkerAvailable as err:
+                await _abort(context, root, grpc.StatusCode.UNAVAILABLE, str(err))
+            except WorkerError as err:
+                await _abort(context, root, err.code, str(err))
+        finally:
+            root.end()
 
     async def ListModels(
         self, request: generation_pb2.ListModelsRequest, context: grpc.aio.ServicerContext
     ) -> generation_pb2.ListModelsResponse:
         return generation_pb2.ListModelsResponse(models=[self.generator.model_info()])
+
+
+async def _abort(
+    context: grpc.aio.ServicerContext, span: tracing.AnySpan, code: grpc.StatusCode, message: str
+) -> None:
+    span.fail(f"{code.name}: {message}")
+    await context.abort(code, message)

@@ -29,6 +29,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from tandem.common import tracing
 from tandem.common.wire import FINISH_REASON_FROM_PROTO
 from tandem.protos import common_pb2, generation_pb2
 from tandem.router.auth import ApiKeys
@@ -176,12 +177,23 @@ def make_app(
             choices = [c for per_prompt in choices for c in per_prompt]
         prefix = "chatcmpl" if chat else "cmpl"
         answer = _Answer(generator, tokens, prefix, body.model, chat=chat, n=body.n, tools=tools)
-        admitted = answer.admit(choices)
-        if isinstance(body, CompletionRequest) and body.echo:
-            answer.echo = [_prompt_text(generator, r) for r in choices]
-        if body.stream:
-            return await answer.stream(request, admitted, body.include_usage, body.continuous_usage)
-        return await answer.whole(request, admitted)
+        # A caller's W3C traceparent header continues its trace; the span ends with the
+        # answer (a stream's last event).
+        answer.span = tracing.start(
+            f"POST {request.url.path}", tracing.extract(request.headers), server=True
+        )
+        try:
+            admitted = answer.admit(choices)
+            if isinstance(body, CompletionRequest) and body.echo:
+                answer.echo = [_prompt_text(generator, r) for r in choices]
+            if body.stream:
+                include, continuous = body.include_usage, body.continuous_usage
+                return await answer.stream(request, admitted, include, continuous)
+            return await answer.whole(request, admitted)
+        except BaseException as err:
+            answer.span.fail(str(err) or type(err).__name__)
+            answer.span.end()
+            raise
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
@@ -275,6 +287,8 @@ class _Answer:
     ) -> None:
         self.n = n
         self.tools = tools
+        self.span: tracing.AnySpan = tracing.NO_SPAN
+        """The HTTP request's span, the parent of each choice's."""
         self.echo: list[str] | None = None
         """Per choice, the prompt text a completion with ``echo`` starts with."""
         self.generator = generator
@@ -292,7 +306,7 @@ class _Answer:
             request.request_id = f"{self.id}-{len(admitted)}"
             request.model = self.requested_model
             try:
-                admitted.append(self.generator.admit(request))
+                admitted.append(self.generator.admit(request, self.span))
             except InvalidRequest as err:
                 if err.field == "model":
                     raise ApiError(
@@ -321,6 +335,7 @@ class _Answer:
             await _unless_disconnected(request, work)
         except _Failure as failure:
             raise failure.error from None
+        self.span.end()
         return JSONResponse(
             {
                 "id": self.id,
@@ -333,7 +348,7 @@ class _Answer:
         )
 
     async def _collect(self, request: ValidatedRequest, choice: _Choice) -> None:
-        async for response in _guarded(self.generator.stream(request, None)):
+        async for response in _guarded(self.generator.stream(request, None, self.span)):
             choice.text.append(response.text)
             choice.token_ids += response.token_ids
             choice.logprobs += response.logprobs
@@ -382,7 +397,8 @@ class _Answer:
 
         async def pump(index: int, validated: ValidatedRequest) -> None:
             try:
-                async for response in _guarded(self.generator.stream(validated, None)):
+                stream = self.generator.stream(validated, None, self.span)
+                async for response in _guarded(stream):
                     await queue.put((index, response))
             except _Failure as failure:
                 await queue.put((index, failure))
@@ -469,6 +485,7 @@ class _Answer:
                     )
                 yield "data: [DONE]\n\n"
             finally:
+                self.span.end()
                 for task in tasks:
                     task.cancel()
 

@@ -108,6 +108,29 @@ def add_server_options(parser: argparse.ArgumentParser) -> None:
         "stops taking new ones (a worker leaves the registry first)",
     )
     g.add_argument("--log-level", default="INFO", choices=LOG_LEVELS, help="logging threshold")
+    add_tracing_option(g)
+
+
+def add_tracing_option(group: argparse._ActionsContainer) -> None:
+    group.add_argument(
+        "--otlp-traces-endpoint",
+        metavar="URL",
+        help="export OpenTelemetry traces here (vLLM's flag), e.g. http://collector:4317; "
+        "the OTEL_* variables apply (OTEL_EXPORTER_OTLP_TRACES_PROTOCOL grpc or "
+        "http/protobuf, headers, OTEL_SERVICE_NAME); default: $OTEL_EXPORTER_OTLP_TRACES_"
+        "ENDPOINT, else off (needs the extra tandem[otel])",
+    )
+
+
+def setup_tracing(args: argparse.Namespace) -> None:
+    """Traces to ``--otlp-traces-endpoint``, named after the command (``tandem-router``,
+    ``tandem-decode-worker``, ...); a missing extra is a one-line error."""
+    from tandem.common import tracing
+
+    try:
+        tracing.setup(f"tandem-{args.command}", args.otlp_traces_endpoint)
+    except ValueError as err:
+        raise CommandError(str(err)) from None
 
 
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"

@@ -24,6 +24,7 @@ from tandem.cli.options import (
     positive_int,
     require_redis,
     setup_logging,
+    setup_tracing,
 )
 
 if TYPE_CHECKING:
@@ -262,7 +263,9 @@ def run(args: argparse.Namespace) -> int:
     from tandem.router.main import run
 
     setup_logging(args.log_level)
-    asyncio.run(run(router_options(args)))
+    options = router_options(args)
+    setup_tracing(args)
+    asyncio.run(run(options))
     return 0
 
 

@@ -21,6 +21,7 @@ from tandem.cli.options import (
     LOG_LEVELS,
     SPECULATIVE_METHODS,
     add_command,
+    add_tracing_option,
     positive_int,
     setup_logging,
 )
@@ -160,6 +161,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     )
     spec.add_argument("--draft-model", help="draft checkpoint (implies --speculative-method draft)")
     add_chat_options(serve)
+    add_tracing_option(serve.add_argument_group("tracing (every component)"))
     _add_engine_flags(serve)
     serve.set_defaults(run=_run)
 
@@ -261,6 +263,7 @@ def _run(args: argparse.Namespace) -> int:
         worker_args=(
             *_replica_args(args),
             *engine_flag_args(args),
+            *_tracing_args(args),
             *args.worker_arg,
         ),
         prefill_args=tuple(args.prefill_worker_arg),
@@ -269,6 +272,7 @@ def _run(args: argparse.Namespace) -> int:
             *(() if args.http_port is None else ("--http-port", str(args.http_port))),
             *(() if generation_config is None else ("--generation-config", generation_config)),
             *_chat_args(args),
+            *_tracing_args(args),
             *args.router_arg,
         ),
         log_dir=args.log_dir,
@@ -327,6 +331,11 @@ def _run(args: argparse.Namespace) -> int:
             wait_for_signal()
         print("stopping", flush=True)
     return 0
+
+
+def _tracing_args(args: argparse.Namespace) -> list[str]:
+    endpoint = args.otlp_traces_endpoint
+    return [] if endpoint is None else [f"--otlp-traces-endpoint={endpoint}"]
 
 
 def _chat_args(args: argparse.Namespace) -> list[str]:

@@ -33,6 +33,7 @@ from tandem.cli.options import (
     quantization_group_size,
     require_redis,
     setup_logging,
+    setup_tracing,
 )
 
 if TYPE_CHECKING:
@@ -335,5 +336,6 @@ def serve_worker(args: argparse.Namespace) -> Callable[..., Awaitable[None]]:
 def run(args: argparse.Namespace) -> int:
     options = worker_options(args)
     setup_logging(args.log_level)
+    setup_tracing(args)
     asyncio.run(serve_worker(args)(options))
     return 0

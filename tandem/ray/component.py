@@ -32,7 +32,7 @@ from typing import TextIO
 import ray
 
 from tandem.cli.launcher import METRICS_PREFIX, READY_PREFIX
-from tandem.cli.options import CommandError, setup_logging
+from tandem.cli.options import CommandError, setup_logging, setup_tracing
 
 log = logging.getLogger(__name__)
 
@@ -165,6 +165,7 @@ class Component:
     def _serve(self, args: argparse.Namespace) -> None:
         setup_logging(args.log_level)
         try:
+            setup_tracing(args)
             asyncio.run(self._main(args))
             error = "stopped by itself"
         except BaseException as err:  # SystemExit from a bad setting included
