@@ -45,6 +45,7 @@ FULL = {
     "apiKeys": {"secretName": "keys"},
     "tls": {"enabled": True, "secretName": "tandem-tls", "serverName": "tandem-internal"},
     "metrics": {"serviceMonitor": {"enabled": True}, "grafanaDashboard": {"enabled": True}},
+    "tracing": {"otlpEndpoint": "http://otel-collector.monitoring:4317"},
 }
 EXTERNAL_REDIS = {
     "redis": {
@@ -92,6 +93,7 @@ KUBERAY = {
     "redis": {"auth": {"secretName": "redis-pw"}},
     "apiKeys": {"secretName": "keys"},
     "planner": {"enabled": True, "decode": {"minReplicas": 1, "maxReplicas": 6}},
+    "tracing": {"otlpEndpoint": "http://collector:4318/v1/traces", "protocol": "http/protobuf"},
 }
 VALUE_SETS = {
     "defaults": None,
@@ -567,6 +569,8 @@ def test_kuberay_passes_the_redis_password_without_writing_it(tmp_path: Path) ->
             "at '/router/autoscaling/enabled': value must be false",
         ),
         ("planner.decode.minReplicas=-1", "at '/planner/decode/minReplicas': minimum"),
+        ("tracing.protocol=http/json", "at '/tracing/protocol': value must be one of"),
+        ("tracing.otlpEndpoint=collector:4317", "at '/tracing/otlpEndpoint'"),
         ("planner.maxStepUp=0", "at '/planner/maxStepUp': minimum"),
         ("planner.enabled=yes", "at '/planner/enabled': got string, want boolean"),
         (
@@ -617,3 +621,26 @@ def test_the_dockerfile_lints_clean() -> None:
         [hadolint, str(ROOT / "deploy" / "Dockerfile")], capture_output=True, text=True
     )
     assert done.returncode == 0, done.stdout + done.stderr
+
+
+@pytest.mark.parametrize(
+    ("values", "expected"),
+    [(None, None), (FULL, ("http://otel-collector.monitoring:4317", "grpc")),
+     (KUBERAY, ("http://collector:4318/v1/traces", "http/protobuf"))],
+)  # fmt: skip
+def test_tracing_reaches_every_component(tmp_path: Path, values, expected) -> None:
+    """``tracing.otlpEndpoint`` sets the standard OTLP variables, which every component
+    reads as its --otlp-traces-endpoint, in each container that runs one (Ray's too)."""
+    serving = [
+        (where, container)
+        for where, container in tandem_containers(render(tmp_path, values))
+        if any(e["name"] == "TANDEM_REDIS_URL" for e in container.get("env", ()))
+    ]
+    assert serving
+    for where, container in serving:
+        env = {e["name"]: e.get("value") for e in container["env"]}
+        got = env.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT")
+        if expected is None:
+            assert got is None, where
+        else:
+            assert (got, env["OTEL_EXPORTER_OTLP_TRACES_PROTOCOL"]) == expected, where

@@ -45,6 +45,12 @@ redis://{{ if .Values.redis.auth.secretName }}:$(REDIS_PASSWORD)@{{ end }}{{ inc
 {{- end }}
 - name: TANDEM_REDIS_URL
   value: {{ include "tandem.redisUrl" . | quote }}
+{{- with .Values.tracing.otlpEndpoint }}
+- name: OTEL_EXPORTER_OTLP_TRACES_ENDPOINT
+  value: {{ . | quote }}
+- name: OTEL_EXPORTER_OTLP_TRACES_PROTOCOL
+  value: {{ $.Values.tracing.protocol | quote }}
+{{- end }}
 {{- end -}}
 
 {{/* Model weights: the image's built-in model, a PVC, a hostPath or an init container. */}}
