@@ -75,6 +75,8 @@ class RouterOptions:
     drain_timeout_s: float = 25.0
     """On SIGTERM: how long client streams in flight may still run (new ones are refused
     and readiness turns ``NOT_SERVING`` at once)."""
+    model_aliases: tuple[str, ...] = ()
+    """More names requests may give the model (vLLM's further --served-model-name)."""
     chat_template: str | None = None
     """A chat template replacing the checkpoint's: a file's path or the template itself."""
     tool_call_parser: str | None = None
@@ -147,6 +149,7 @@ async def run(
         options.generation_config,
         lambda: workers_max_model_len(watcher),
         options.chat_template,
+        options.model_aliases,
     )
     stop = stop or stop_on_signals()
     clients = WorkerClients(options.internal_tls)

@@ -102,6 +102,8 @@ class RequestValidator:
         if not 2 <= max_model_len <= limit:
             raise ValueError(f"max_model_len must be in [2, {limit}], got {max_model_len}")
         self.model_name = model_name
+        self.served_names: tuple[str, ...] = (model_name,)
+        """Every name a request may give the model, ``model_name`` first."""
         self.configured_max_model_len = max_model_len
         self._workers_max_model_len = workers_max_model_len
         self.vocab_size = config.vocab_size
@@ -117,6 +119,7 @@ class RequestValidator:
         generation_config: str = AUTO,
         workers_max_model_len: Callable[[], int | None] = lambda: None,
         chat_template: str | None = None,
+        aliases: Sequence[str] = (),
     ) -> RequestValidator:
         """Read the tokenizer, config and sampling defaults (``generation_config``: see
         ``load_sampling_defaults``) from a HF checkpoint directory; ``chat_template``
@@ -126,7 +129,11 @@ class RequestValidator:
         tokenizer = Tokenizer.from_dir(model_dir)
         if chat_template is not None:
             tokenizer = tokenizer.with_chat_template(read_chat_template(chat_template))
-        return cls(model_name, tokenizer, config, max_model_len, defaults, workers_max_model_len)
+        validator = cls(
+            model_name, tokenizer, config, max_model_len, defaults, workers_max_model_len
+        )
+        validator.served_names = (model_name, *(a for a in aliases if a != model_name))
+        return validator
 
     @property
     def max_model_len(self) -> int:
@@ -142,7 +149,7 @@ class RequestValidator:
 
     def validate(self, request: generation_pb2.GenerateRequest) -> ValidatedRequest:
         """The validated request; raises ``InvalidRequest`` on the first problem found."""
-        if request.model and request.model != self.model_name:
+        if request.model and request.model not in self.served_names:
             raise InvalidRequest(
                 "model",
                 f"{request.model!r} is not served here (this router serves "

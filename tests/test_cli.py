@@ -216,7 +216,7 @@ def test_serve_takes_the_model_positionally_and_vllms_engine_flags() -> None:
     argv += ["--served-model-name", "mine", "--no-enable-prefix-caching", "--seed", "7"]
     argv += ["--enable-chunked-prefill", "--gpu-memory-utilization", "0.5"]
     args = build_parser().parse_args(argv)
-    assert args.model_path == "/ckpt" and args.model_name == "mine"
+    assert args.model_path == "/ckpt" and args.model_name == ["mine"]
     passed = engine_flag_args(args)
     assert passed == [
         "--dtype=float32",
@@ -280,3 +280,42 @@ def test_chat_template_and_tool_flags_reach_the_router(
     assert "invalid choice: 'pythonic'" in _parse_error(
         ["router", *SERVER, "--tool-call-parser", "pythonic"], capsys
     )
+
+
+def test_config_file_as_vllm_reads_one(tmp_path, capsys: pytest.CaptureFixture[str]) -> None:
+    """`--config FILE.yaml`: flag names as keys (dashes or underscores), switches as
+    booleans, lists for flags taking several values or given several times; the command
+    line wins; a bad key or shape is a usage error naming the file and the key."""
+    from tandem.cli.main import parse
+
+    config = tmp_path / "serve.yaml"
+    config.write_text(
+        "model: /ckpt\n"
+        "max-model-len: 300\n"
+        "served_model_name: [mine, gpt-4o]\n"
+        "enable-prefix-caching: false\n"
+        "enable-chunked-prefill: true\n"
+        "enable-auto-tool-choice: true\n"
+        "tool-call-parser: hermes\n"
+        "worker-arg: ['--max-num-seqs=8']\n"
+        "port: 9000\n"
+    )
+    args = parse(["serve", "--config", str(config), "--port", "9100"])
+    assert (args.model, args.model_name, args.port) == ("/ckpt", ["mine", "gpt-4o"], 9100)
+    assert (args.engine_max_model_len, args.engine_enable_prefix_caching) == (300, False)
+    assert args.engine_enable_chunked_prefill is True and args.enable_auto_tool_choice
+    assert args.worker_arg == ["--max-num-seqs=8"] and args.tool_call_parser == "hermes"
+    router = tmp_path / "router.yaml"
+    router.write_text("model: /m\nredis-url: redis://r:6379/0\nhttp-port: 8000\n")
+    assert parse(["router", f"--config={router}"]).http_port == 8000
+    for text, words in (
+        ("max-modle-len: 3\n", "unknown setting 'max-modle-len'"),
+        ("port: [1, 2]\n", "port: takes one value, not a list"),
+        ("demo: 3\n", "demo: a switch"),
+        ("- a\n", "must be a mapping"),
+        ("port: [\n", "not YAML"),
+    ):
+        config.write_text(text)
+        error = _parse_error(["serve", "--config", str(config)], capsys)
+        assert f"--config {config}" in error and words in error, error
+    assert "No such file" in _parse_error(["serve", "--config", str(tmp_path / "x.yaml")], capsys)

@@ -51,6 +51,7 @@ def cluster(
             *("--http-port", str(http_port), "--disaggregation-min-tokens", "16"),
             *("--max-model-len", "512"),
             *("--enable-auto-tool-choice", "--tool-call-parser", "hermes"),
+            *("--served-model-name", "openai", "house-model"),  # a second name
         ),
         api_keys=(KEY,),
         # 30 ms per decode step: a 450-token answer takes over 13 s, so the disconnect
@@ -77,9 +78,11 @@ def _greedy(llm: LLM, prompt: list[int], n: int = NEW) -> tuple[list[int], str]:
     return out.token_ids, out.text
 
 
-def test_models_lists_the_served_model(client: openai.OpenAI, cluster) -> None:
+def test_models_lists_the_served_names(client: openai.OpenAI, cluster) -> None:
     running, _ = cluster
-    assert [m.id for m in client.models.list().data] == [running.model_name]
+    assert [m.id for m in client.models.list().data] == [running.model_name, "house-model"]
+    answer = client.completions.create(model="house-model", prompt="x", max_tokens=2)
+    assert answer.model == "house-model"
 
 
 def test_completions_whole_and_streamed_equal_the_offline_engine(

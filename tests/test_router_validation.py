@@ -388,3 +388,11 @@ def test_logit_bias_outside_the_vocabulary_is_refused(validator: RequestValidato
     err = refusal(validator, request(prompt="Hi", sampling=sampling))
     assert err.field == "sampling.logit_bias"
     assert f"token id {validator.vocab_size}, out of range" in str(err)
+
+
+def test_further_served_names_are_accepted(model_dir: Path) -> None:
+    validator = RequestValidator.from_dir(model_dir, MODEL, aliases=("gpt-4o", MODEL))
+    assert validator.served_names == (MODEL, "gpt-4o")
+    for name in ("", MODEL, "gpt-4o"):
+        validator.validate(request(model=name, prompt="Hi"))
+    assert refusal(validator, request(model="other", prompt="Hi")).field == "model"

@@ -149,12 +149,14 @@ def make_app(
             "object": "list",
             "data": [
                 {
-                    "id": info.name,
+                    "id": name,
                     "object": "model",
                     "created": 0,
                     "owned_by": "tandem",
+                    "root": info.name,
                     "max_model_len": info.max_model_len,
                 }
+                for name in generator.validator.served_names
             ],
         }
 
@@ -215,7 +217,7 @@ def _add_token_endpoints(
     """vLLM's ``/tokenize``, ``/detokenize`` and ``/version``."""
 
     def served(model: str) -> None:
-        if model and model != generator.validator.model_name:
+        if model and model not in generator.validator.served_names:
             raise ApiError(404, f"the model {model!r} does not exist", "not_found_error", "model")
 
     @app.post("/tokenize")

@@ -231,6 +231,11 @@ class LocalCluster:
 
     @property
     def router_address(self) -> str:
+        """``host:port`` of the router: as its READY line says once it is up (so
+        ``--port 0``, a free port, works), the configured one before."""
+        router = self.children.get("router")
+        if router is not None and router.ready_line:
+            return router.ready_line.split()[-1]
         return f"{self.spec.host}:{self.spec.router_port}"
 
     @property
@@ -352,20 +357,25 @@ class LocalCluster:
 
     def stop(self, grace_s: float = 30.0) -> None:
         """SIGTERM to every component (each drains: see ``--drain-timeout``), SIGKILL to
-        those still running after ``grace_s``."""
+        those still running after ``grace_s``. The router goes first: the front door
+        closes, its streams finish on workers still up, and it does not see the workers
+        leave (nor warn that it cannot route)."""
         self._stopping.set()
         if self._supervisor is not None:
             self._supervisor.join()
-        for child in self.children.values():
-            if child.process.poll() is None:
-                child.process.send_signal(signal.SIGTERM)
         deadline = time.monotonic() + grace_s
-        for child in self.children.values():
-            try:
-                child.process.wait(timeout=max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                child.process.kill()
-                child.process.wait()
+        router = [c for name, c in self.children.items() if name == "router"]
+        workers = [c for name, c in self.children.items() if name != "router"]
+        for group in (router, workers):
+            for child in group:
+                if child.process.poll() is None:
+                    child.process.send_signal(signal.SIGTERM)
+            for child in group:
+                try:
+                    child.process.wait(timeout=max(0.1, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    child.process.kill()
+                    child.process.wait()
         self.children.clear()
         if self.redis is not None:
             self.redis.stop()

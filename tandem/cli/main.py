@@ -13,6 +13,7 @@ from collections.abc import Sequence
 
 from tandem.cli import (
     certs,
+    config_file,
     generate,
     make_model,
     planner,
@@ -39,8 +40,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def parse(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    """The command line, parsed; a usage error exits 2 with the subcommand's usage."""
-    args, unknown = build_parser().parse_known_args(argv)
+    """The command line, parsed (a server command's ``--config FILE.yaml`` expanded into
+    flags first); a usage error exits 2 with the subcommand's usage."""
+    parser = build_parser()
+    (sub,) = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    argv = config_file.expand(sys.argv[1:] if argv is None else argv, dict(sub.choices))
+    args, unknown = parser.parse_known_args(argv)
     if unknown:
         args.parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     return args

@@ -82,7 +82,14 @@ def add_server_options(parser: argparse.ArgumentParser) -> None:
     """Flags every server process (router and workers) takes."""
     g = parser.add_argument_group("model and cluster")
     g.add_argument("--model", required=True, help="HuggingFace checkpoint directory")
-    g.add_argument("--model-name", help="served model name (default: the directory's name)")
+    g.add_argument(
+        "--model-name",
+        "--served-model-name",
+        nargs="+",
+        metavar="NAME",
+        help="served model name (default: the directory's name); the router also answers "
+        "to any further names given (vLLM's --served-model-name); the registry uses the first",
+    )
     g.add_argument(
         "--redis-url",
         default=os.environ.get("TANDEM_REDIS_URL"),
@@ -109,6 +116,9 @@ def add_server_options(parser: argparse.ArgumentParser) -> None:
     )
     g.add_argument("--log-level", default="INFO", choices=LOG_LEVELS, help="logging threshold")
     add_tracing_option(g)
+    from tandem.cli.config_file import add_config_option
+
+    add_config_option(parser)
 
 
 def add_tracing_option(group: argparse._ActionsContainer) -> None:

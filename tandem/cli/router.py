@@ -297,7 +297,8 @@ def router_options(args: argparse.Namespace) -> RouterOptions:
         raise SystemExit(f"error: {err}") from err
     return RouterOptions(
         model_dir=args.model,
-        model_name=args.model_name or Path(args.model).resolve().name,
+        model_name=args.model_name[0] if args.model_name else Path(args.model).resolve().name,
+        model_aliases=tuple(args.model_name[1:]) if args.model_name else (),
         redis_url=args.redis_url,
         host=args.host,
         port=args.port,

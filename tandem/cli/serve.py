@@ -17,6 +17,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from tandem.cli.config_file import add_config_option
 from tandem.cli.options import (
     LOG_LEVELS,
     SPECULATIVE_METHODS,
@@ -55,7 +56,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     serve.add_argument(
         "--model-name",
         "--served-model-name",
-        help="served model name (default: the directory's name; vLLM's --served-model-name)",
+        nargs="+",
+        metavar="NAME",
+        help="served model name (default: the directory's name; vLLM's --served-model-name); "
+        "requests may also use any further names given",
     )
     serve.add_argument(
         "--prefill-workers", type=int, default=1, help="prefill worker processes (0: none)"
@@ -162,6 +166,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     spec.add_argument("--draft-model", help="draft checkpoint (implies --speculative-method draft)")
     add_chat_options(serve)
     add_tracing_option(serve.add_argument_group("tracing (every component)"))
+    add_config_option(serve)
     _add_engine_flags(serve)
     serve.set_defaults(run=_run)
 
@@ -259,7 +264,7 @@ def _run(args: argparse.Namespace) -> int:
         router_port=args.port,
         host=args.host,
         redis_url=args.redis_url,
-        model_name=args.model_name,
+        model_name=args.model_name[0] if args.model_name else None,
         worker_args=(
             *_replica_args(args),
             *engine_flag_args(args),
@@ -273,6 +278,7 @@ def _run(args: argparse.Namespace) -> int:
             *(() if generation_config is None else ("--generation-config", generation_config)),
             *_chat_args(args),
             *_tracing_args(args),
+            *(("--model-name", *args.model_name) if args.model_name else ()),
             *args.router_arg,
         ),
         log_dir=args.log_dir,

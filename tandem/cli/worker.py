@@ -306,7 +306,7 @@ def worker_options(args: argparse.Namespace) -> WorkerOptions:
     return WorkerOptions(
         role=WorkerRole(args.role),
         model_dir=args.model,
-        model_name=args.model_name or Path(args.model).resolve().name,
+        model_name=args.model_name[0] if args.model_name else Path(args.model).resolve().name,
         worker_id=args.worker_id or f"{args.role}-{uuid.uuid4().hex[:8]}",
         redis_url=args.redis_url,
         host=args.host,
