@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 
+from tandem.common.engine_startup import load_engine
 from tandem.common.kv_events.publisher import KVEventPublisher
 from tandem.common.metrics import Sample
 from tandem.common.registry import WorkerCapacity, WorkerInfo, WorkerRole
@@ -11,8 +12,6 @@ from tandem.common.worker_host import WorkerOptions, exit_for_restart, host_work
 from tandem.common.worker_load import BusyMeter, worker_load
 from tandem.common.worker_metrics import WorkerMetrics
 from tandem.engine.async_engine import AsyncEngine
-from tandem.engine.config import EngineConfig
-from tandem.engine.llm_engine import LLMEngine
 from tandem.kvtransfer.leases import LeaseTable
 from tandem.kvtransfer.ranks import RankedSender, transfer_layout
 from tandem.kvtransfer.sender import KVSender
@@ -24,8 +23,8 @@ from tandem.protos import kv_transfer_pb2, kv_transfer_pb2_grpc, worker_pb2, wor
 async def run(options: WorkerOptions, stop: asyncio.Event | None = None) -> None:
     kv_events = KVEventPublisher(options.redis_url, options.model_name, options.worker_id)
     kv_events.start()
-    engine = LLMEngine(
-        EngineConfig(model=options.model_dir, **options.engine),
+    engine = load_engine(
+        options,
         on_kv_events=kv_events.on_engine_events,
         detokenize=False,
         on_rank_lost=exit_for_restart,

@@ -32,6 +32,9 @@ def test_serve_demo_answers_and_cleans_up() -> None:
     assert "48 generated" in result.stdout
     # Quiet by default: a READY line per component, no INFO chatter (--log-level INFO).
     assert sum(" READY " in line for line in result.stdout.splitlines()) == 3
+    # and each worker's start-up progress: what it loads, then its KV cache
+    loaded = [line for line in result.stdout.splitlines() if "] LOADED in " in line]
+    assert len(loaded) == 2 and all(" blocks of 16 tokens (" in line for line in loaded)
     assert " INFO " not in result.stdout + result.stderr
     # Nor a warning: at the end the router stops first, before the workers leave.
     assert "WARNING" not in result.stdout + result.stderr
