@@ -319,3 +319,36 @@ def test_config_file_as_vllm_reads_one(tmp_path, capsys: pytest.CaptureFixture[s
         error = _parse_error(["serve", "--config", str(config)], capsys)
         assert f"--config {config}" in error and words in error, error
     assert "No such file" in _parse_error(["serve", "--config", str(tmp_path / "x.yaml")], capsys)
+
+
+def test_speculative_config_is_the_three_flags(capsys: pytest.CaptureFixture[str]) -> None:
+    from tandem.cli.main import parse
+    from tandem.cli.serve import _speculative_args, _speculative_config
+
+    def flags(config: str) -> list[str]:
+        args = parse(["serve", "--speculative-config", config])
+        return [*_speculative_config(args), *_speculative_args(args)]
+
+    assert flags('{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 2}') == [
+        "--ngram-max-n=2", "--speculative-method", "ngram", "--num-speculative-tokens", "3",
+    ]  # fmt: skip
+    assert flags('{"model": "/d", "num_speculative_tokens": 5}') == [
+        "--speculative-method", "draft", "--draft-model", "/d", "--num-speculative-tokens", "5",
+    ]  # fmt: skip
+    worker = build_parser().parse_args(["decode-worker", *SERVER, "--ngram-max-n=2"])
+    assert worker.ngram_max_n == 2  # what the decode workers are given parses
+    for config, words in (
+        ('{"method": "eagle", "model": "/e"}', "method 'eagle' with a model"),
+        ('{"method": "ngram", "prompt_lookup_min": 2}', "'prompt_lookup_min' is not supported"),
+        ('{"method": "ngram", "num_speculative_tokens": 0}', "must be a positive integer"),
+        ("[1]", "must be a JSON object"),
+        ("{", "not JSON"),
+    ):
+        with pytest.raises(SystemExit):
+            flags(config)
+        assert words in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        _speculative_config(
+            parse(["serve", "--speculative-config", '{"method": "ngram"}', "--draft-model", "d"])
+        )
+    assert "give it or --speculative-method" in capsys.readouterr().err

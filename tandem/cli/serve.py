@@ -9,13 +9,14 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import os
 import signal
 import sys
 import threading
 from collections.abc import Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NoReturn
 
 from tandem.cli.config_file import add_config_option
 from tandem.cli.options import (
@@ -164,6 +165,13 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "--num-speculative-tokens", type=positive_int, help="most drafts per step (k)"
     )
     spec.add_argument("--draft-model", help="draft checkpoint (implies --speculative-method draft)")
+    spec.add_argument(
+        "--speculative-config",
+        metavar="JSON",
+        help="vLLM's one-flag form instead of the three above: "
+        '\'{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3}\' or '
+        '\'{"model": "DRAFT_DIR", "num_speculative_tokens": 4}\'',
+    )
     add_chat_options(serve)
     add_tracing_option(serve.add_argument_group("tracing (every component)"))
     add_config_option(serve)
@@ -255,6 +263,7 @@ def _run(args: argparse.Namespace) -> int:
 
         require_ray("tandem serve --ray")
     args.model = _model_argument(args)
+    spec_extra = _speculative_config(args)
     model = args.model or str(default_model())
     generation_config = args.generation_config
     spec = ClusterSpec(
@@ -272,7 +281,7 @@ def _run(args: argparse.Namespace) -> int:
             *args.worker_arg,
         ),
         prefill_args=tuple(args.prefill_worker_arg),
-        decode_args=(*_speculative_args(args), *args.decode_worker_arg),
+        decode_args=(*spec_extra, *_speculative_args(args), *args.decode_worker_arg),
         router_args=(
             *(() if args.http_port is None else ("--http-port", str(args.http_port))),
             *(() if generation_config is None else ("--generation-config", generation_config)),
@@ -436,6 +445,58 @@ def check_flags(spec: ClusterSpec) -> None:
             check_config(EngineConfig(model=spec.model_dir, **engine_settings(args)))
         except ValueError as err:
             raise ValueError(f"{role} workers: {err}") from None
+
+
+SPECULATIVE_CONFIG_KEYS = ("method", "model", "num_speculative_tokens", "prompt_lookup_max")
+
+
+def _speculative_config(args: argparse.Namespace) -> list[str]:
+    """vLLM's ``--speculative-config`` JSON set as ``--speculative-method``,
+    ``--num-speculative-tokens`` and ``--draft-model``; returns the decode-worker flags
+    it adds beyond those (``prompt_lookup_max``: ``--ngram-max-n``). A usage error for
+    what Tandem does not do, named."""
+    text = args.speculative_config
+    if text is None:
+        return []
+
+    def error(why: str) -> NoReturn:
+        args.parser.error(f"--speculative-config: {why}")
+
+    if any(v is not None for v in (args.speculative_method, args.num_speculative_tokens)) or (
+        args.draft_model is not None
+    ):
+        error("give it or --speculative-method / --num-speculative-tokens / --draft-model")
+    try:
+        config = json.loads(text)
+    except json.JSONDecodeError as err:
+        error(f"not JSON: {err}")
+    if not isinstance(config, dict):
+        error("must be a JSON object")
+    for key in config:
+        if key not in SPECULATIVE_CONFIG_KEYS:
+            error(f"{key!r} is not supported (Tandem takes {', '.join(SPECULATIVE_CONFIG_KEYS)})")
+    method, draft = config.get("method"), config.get("model")
+    if method == "ngram" and draft is None:
+        args.speculative_method = "ngram"
+    elif method in (None, "draft_model", "draft") and isinstance(draft, str):
+        args.speculative_method, args.draft_model = "draft", draft
+    else:
+        error(
+            f"method {method!r}{' with a model' if draft else ''}: Tandem proposes with "
+            "n-grams (method ngram) or a draft model (model DIR)"
+        )
+    extra = []
+    for key in ("num_speculative_tokens", "prompt_lookup_max"):
+        value = config.get(key)
+        if value is None:
+            continue
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            error(f"{key} must be a positive integer, got {value!r}")
+        if key == "num_speculative_tokens":
+            args.num_speculative_tokens = value
+        else:
+            extra.append(f"--ngram-max-n={value}")
+    return extra
 
 
 def _speculative_args(args: argparse.Namespace) -> list[str]:
