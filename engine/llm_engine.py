@@ -373,9 +373,16 @@ class LLMEngine:
     def _emit(self, update: StepUpdate, logprobs: list[TokenLogprobs]) -> RequestDelta:
         request = update.request
         reason = update.finish_reason
-        complete = request.grammar is not None and StructuredOutputs.advance(
-            request.grammar, update.new_token_ids
-        )
+        try:
+            complete = request.grammar is not None and StructuredOutputs.advance(
+                request.grammar, update.new_token_ids
+            )
+        except RuntimeError as err:  # this request's output broke its grammar: end it alone
+            log.error("request %s ends: %s", request.request_id, err)
+            complete = False
+            if reason is None:
+                reason = FinishReason.ABORT
+                self.scheduler.finish(request, reason)
         if complete and reason is None:  # the constraint is complete: nothing may follow
             reason = FinishReason.STOP
             self.scheduler.finish(request, reason)

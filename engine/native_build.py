@@ -90,26 +90,38 @@ def cache_dir() -> Path:
     return Path(base) / "tandem" / "kernels"
 
 
-def build_library(source: Path, isa: Isa, flags: Sequence[str]) -> ctypes.CDLL:
+def build_library(
+    source: Path, isa: Isa, flags: Sequence[str], compile_flags: Sequence[str] = ()
+) -> ctypes.CDLL:
     """``source`` compiled with ``flags`` (compiler and linker flags) for ``isa``, loaded.
-    Built once per source, flags and compiler (the file name carries their hash), then
-    reused; ``KernelBuildError`` when no compiler is found (``$CC``, else ``cc``) or it
-    fails."""
+    ``compile_flags`` apply to compiling only, not to linking (``-ffast-math``: linked, it
+    would bring ``crtfastmath.o``, which sets flush-to-zero for the whole process when the
+    library loads). Built once per source, flags and compiler (the file name carries
+    their hash), then reused; ``KernelBuildError`` when no compiler is found (``$CC``,
+    else ``cc``) or it fails."""
     compiler = shutil.which(os.environ.get("CC", "cc"))
     if compiler is None:
         raise KernelBuildError(f"{source.name} needs a C compiler (cc / $CC)")
-    key = hashlib.sha256(source.read_bytes() + " ".join(flags).encode() + compiler.encode())
+    all_flags = " ".join((*flags, "|", *compile_flags))
+    key = hashlib.sha256(source.read_bytes() + all_flags.encode() + compiler.encode())
     target = cache_dir() / f"{source.stem}-{isa.value}-{key.hexdigest()[:16]}.so"
     if not target.exists():
         target.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
             built = Path(tmp) / target.name
-            result = subprocess.run(
-                [compiler, str(source), "-o", str(built), *flags], capture_output=True, text=True
-            )
-            if result.returncode != 0:
-                raise KernelBuildError(
-                    f"building {source.name} for {isa.value} failed:\n{result.stderr}"
-                )
+            if compile_flags:
+                obj = Path(tmp) / f"{source.stem}.o"
+                steps = [
+                    [compiler, "-c", str(source), "-o", str(obj), *flags, *compile_flags],
+                    [compiler, str(obj), "-o", str(built), *flags],
+                ]
+            else:
+                steps = [[compiler, str(source), "-o", str(built), *flags]]
+            for step in steps:
+                result = subprocess.run(step, capture_output=True, text=True)
+                if result.returncode != 0:
+                    raise KernelBuildError(
+                        f"building {source.name} for {isa.value} failed:\n{result.stderr}"
+                    )
             built.replace(target)  # atomic: concurrent builders never see half a file
     return ctypes.CDLL(str(target))

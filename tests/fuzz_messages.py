@@ -63,7 +63,15 @@ def messages(descriptor: Descriptor, depth: int = 0) -> st.SearchStrategy[Messag
     return st.fixed_dictionaries({}, optional=fields).map(build)
 
 
+def _is_map(field: FieldDescriptor) -> bool:
+    return field.type == FieldDescriptor.TYPE_MESSAGE and field.message_type.GetOptions().map_entry
+
+
 def _field_values(field: FieldDescriptor, depth: int) -> st.SearchStrategy[object]:
+    if _is_map(field):  # map<K, V>: a dict (keys are scalars, values scalars here)
+        entry = field.message_type
+        key, value = entry.fields_by_name["key"], entry.fields_by_name["value"]
+        return st.dictionaries(_SCALARS[key.type], _field_values(value, depth + 1), max_size=8)
     if field.type == FieldDescriptor.TYPE_MESSAGE:
         one = st.deferred(lambda: messages(field.message_type, depth + 1))
     else:
@@ -75,7 +83,13 @@ def _field_values(field: FieldDescriptor, depth: int) -> st.SearchStrategy[objec
 
 def _set(message: Message, field: FieldDescriptor, value: object) -> None:
     target = getattr(message, field.name)
-    if field.is_repeated:
+    if _is_map(field):
+        for key, item in value.items():
+            if isinstance(item, Message):
+                target[key].CopyFrom(item)
+            else:
+                target[key] = item
+    elif field.is_repeated:
         if field.type == FieldDescriptor.TYPE_MESSAGE:
             for item in value:
                 target.add().CopyFrom(item)

@@ -168,3 +168,53 @@ def test_bad_specs_fail_before_compiling() -> None:
         StructuredOutput(StructuredKind.JSON_SCHEMA, "{nope")
     with pytest.raises(ValueError, match=r"structured\.regex must not be empty"):
         StructuredOutput(StructuredKind.REGEX, "  ")
+
+
+def test_extreme_sampling_values_keep_to_the_constraint(llm: LLM) -> None:
+    """Found by fuzzing the OpenAI API: a temperature or repetition penalty so small it is
+    0 in float32 made NaN logits, and the NaN won over the mask (the worker died). A
+    temperature under 1e-5 now samples greedily, a penalty under float32's range is
+    refused, and the constraint holds."""
+    prompt = random_prompts(1, 4096, (6, 6), seed=3)[0]
+    empty = StructuredOutput(StructuredKind.REGEX, "()")  # only the empty string
+    for temperature in (0.0, 1e-320, 1e-6):
+        params = SamplingParams(
+            temperature=temperature, top_p=5e-324, max_tokens=4, structured=empty
+        )
+        assert params.greedy
+        (out,) = llm.generate([prompt], params)
+        assert out.finish_reason == "stop" and out.text == ""
+    with pytest.raises(ValueError, match=r"repetition_penalty must be > 0 \(at least 1.18e-38"):
+        SamplingParams(repetition_penalty=5e-324)
+    (out,) = llm.generate(
+        [prompt + prompt],
+        SamplingParams(temperature=0, repetition_penalty=1.2e-38, max_tokens=6, structured=empty),
+    )
+    assert out.finish_reason == "stop" and out.text == ""
+
+
+def test_a_grammar_that_refuses_a_drawn_token_ends_that_request_alone(
+    model_dir: Path, monkeypatch
+) -> None:
+    """If a drawn token is ever refused by its request's grammar (a fault no input can
+    cause now, so it is made here), that request ends with ``abort`` and the engine goes
+    on with the others, instead of failing every request."""
+    from tandem.engine.structured import StructuredOutputs
+
+    llm = LLM(str(model_dir), num_kv_blocks=256, max_model_len=512)
+    real = StructuredOutputs.advance
+    calls = {"n": 0}
+
+    def refuse_third(matcher, token_ids):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise RuntimeError("a token drawn under the mask was refused: (made here)")
+        return real(matcher, token_ids)
+
+    monkeypatch.setattr(StructuredOutputs, "advance", staticmethod(refuse_third))
+    prompts = random_prompts(2, 4096, (8, 8), seed=4)
+    constrained = SamplingParams(temperature=0, max_tokens=8, structured=CONSTRAINTS["json_object"])
+    free = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    outs = llm.generate(prompts, [constrained, free])  # one batch: the engine goes on
+    assert outs[0].finish_reason == "abort"
+    assert outs[1].finish_reason == "length" and len(outs[1].token_ids) == 8

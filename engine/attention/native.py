@@ -19,7 +19,12 @@ from tandem.engine.native_build import KernelBuildError, build_library, select_i
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("csrc") / "paged_decode.c"
-COMMON_FLAGS = ("-O3", "-ffast-math", "-fopenmp", "-shared", "-fPIC", "-std=gnu11")
+COMMON_FLAGS = ("-O3", "-fopenmp", "-shared", "-fPIC", "-std=gnu11")
+COMPILE_FLAGS = ("-ffast-math",)
+"""At compile time only (its vectorised ``expf`` among others). Linking a shared object
+with ``-ffast-math`` links ``crtfastmath.o``, which sets flush-to-zero and
+denormals-are-zero when the library loads, for every later float operation of the
+process (torch's, Python's): so the kernel is compiled with it and linked without."""
 _AVX2 = ("-mavx2", "-mfma", "-mf16c")  # F16C (fp8 decoding): in every AVX2 CPU
 _ISA_FLAGS = {
     "avx512": ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", *_AVX2),
@@ -43,7 +48,7 @@ def paged_decode_library() -> ctypes.CDLL | None:
     isa = select_isa()
     flags = (*COMMON_FLAGS, *_ISA_FLAGS[isa.value], "-mtune=native", "-lm")
     try:
-        library = build_library(SOURCE, isa, flags)
+        library = build_library(SOURCE, isa, flags, COMPILE_FLAGS)
     except KernelBuildError as error:
         log.warning("paged-attention kernel unavailable, decode attention uses torch: %s", error)
         return None

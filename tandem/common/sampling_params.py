@@ -87,14 +87,23 @@ class StructuredOutput:
         return cls(StructuredKind.JSON_SCHEMA, text)
 
 
+GREEDY_BELOW = 1e-5
+"""Temperatures below this sample greedily (as vLLM's): dividing logits by a smaller one
+overflows float32, and the distribution is one token anyway."""
+FLOAT32_TINY = 1.1754943508222875e-38
+"""The smallest normal float32: a repetition penalty below it is 0 in the sampler's
+float32 arithmetic (and a masked ``-inf`` times 0 is NaN)."""
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """How to pick each next token and when to stop.
 
-    ``temperature == 0`` means greedy. ``top_k=None`` and ``top_p=1.0`` disable those
-    filters. ``seed`` makes a request's random draws reproducible whatever else shares
-    its batch. ``logprobs=n`` returns the top-n log-probabilities (of the raw model
-    distribution) plus the chosen token's at every step.
+    ``temperature`` below ``GREEDY_BELOW`` (0 included) means greedy. ``top_k=None`` and
+    ``top_p=1.0`` disable those filters. ``seed`` makes a request's random draws
+    reproducible whatever else shares its batch. ``logprobs=n`` returns the top-n
+    log-probabilities (of the raw model distribution) plus the chosen token's at every
+    step.
     """
 
     max_tokens: int = 16
@@ -147,9 +156,10 @@ class SamplingParams:
         _check(0 < self.top_p <= 1, "top_p", f"must be in (0, 1], got {self.top_p}")
         _check(0 <= self.min_p <= 1, "min_p", f"must be in [0, 1], got {self.min_p}")
         _check(
-            self.repetition_penalty > 0,
+            self.repetition_penalty >= FLOAT32_TINY,
             "repetition_penalty",
-            f"must be > 0, got {self.repetition_penalty}",
+            f"must be > 0 (at least {FLOAT32_TINY:.3g}, the smallest normal float32), got "
+            f"{self.repetition_penalty}",
         )
         _check(
             -2 <= self.presence_penalty <= 2,
@@ -182,7 +192,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        return self.temperature < GREEDY_BELOW
 
     @property
     def uses_penalties(self) -> bool:
