@@ -6,6 +6,7 @@ both workers."""
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.metadata
 import json
 import re
@@ -51,13 +52,15 @@ def cluster(
             *("--http-port", str(http_port), "--disaggregation-min-tokens", "16"),
             *("--max-model-len", "512"),
             *("--enable-auto-tool-choice", "--tool-call-parser", "hermes"),
-            *("--served-model-name", "openai", "house-model"),  # a second name
         ),
         api_keys=(KEY,),
         # 30 ms per decode step: a 450-token answer takes over 13 s, so the disconnect
         # test can tell a cancelled request from one that simply finished.
         worker_env={"decode-0": {"TANDEM_FAULTS": "engine.step:delay=0.03"}},
     )
+    # A second name for the model (vLLM's --served-model-name A B); the registry uses A.
+    names = ("--served-model-name", spec.model_name, "house-model")
+    spec = dataclasses.replace(spec, router_args=(*spec.router_args, *names))
     with LocalCluster(spec) as running:
         yield running, http_port
 
