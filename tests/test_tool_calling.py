@@ -19,6 +19,7 @@ from tandem.router.openai_api.tools import (
     Llama3JsonParser,
     NamedCallParser,
     OutputParser,
+    PythonicParser,
     Settled,
     ToolUse,
     assemble,
@@ -86,6 +87,35 @@ LLAMA_CASES = [
 ]  # fmt: skip
 
 
+PYTHONIC_CASES = [
+    (
+        '[get_weather(city="Paris", days=2), now()]',
+        "",
+        [{"name": "get_weather", "arguments": {"city": "Paris", "days": 2}},
+         {"name": "now", "arguments": {}}],
+    ),
+    ("[f(x=[1, {'a': None}], y=True)]", "",
+     [{"name": "f", "arguments": {"x": [1, {"a": None}], "y": True}}]),
+    ("Not a call.", "Not a call.", []),
+    ("[1, 2]", "[1, 2]", []),  # a list, but not of calls
+    ("[f(x=open('/etc/passwd'))]", "[f(x=open('/etc/passwd'))]", []),  # never evaluated
+    ("[f(1)]", "[f(1)]", []),  # positional: no name to give it
+    ('[f(x="unclosed)]', '[f(x="unclosed)]', []),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("text", "content", "calls"), PYTHONIC_CASES)
+def test_pythonic_parser(text: str, content: str, calls: list[dict]) -> None:
+    assert _parse(PythonicParser(), text) == (content, calls)
+
+
+def test_the_cli_offers_every_parser() -> None:
+    from tandem.cli.router import TOOL_CALL_PARSERS
+    from tandem.router.openai_api.tools import PARSERS
+
+    assert tuple(PARSERS) == TOOL_CALL_PARSERS
+
+
 @pytest.mark.parametrize(("text", "content", "calls"), HERMES_CASES)
 def test_hermes_parser(text: str, content: str, calls: list[dict]) -> None:
     assert _parse(HermesParser(), text) == (content, calls)
@@ -105,11 +135,17 @@ def test_parsers_settle_the_same_whatever_the_pieces(data: st.DataObject) -> Non
         st.sampled_from(
             [("hermes", t) for t, _, _ in HERMES_CASES]
             + [("llama", t) for t, _, _ in LLAMA_CASES]
+            + [("pythonic", t) for t, _, _ in PYTHONIC_CASES]
             + [("forced", '[{"name": "a", "parameters": {"x": [1, {"y": "}"}]}}, '
                           '{"name": "b", "parameters": {}}]')]
         )
     )  # fmt: skip
-    make = {"hermes": HermesParser, "llama": Llama3JsonParser, "forced": ForcedCallsParser}[kind]
+    make = {
+        "hermes": HermesParser,
+        "llama": Llama3JsonParser,
+        "pythonic": PythonicParser,
+        "forced": ForcedCallsParser,
+    }[kind]
     cuts = data.draw(st.lists(st.integers(0, len(text)), max_size=12, unique=True))
     assert _parse(make(), text, cuts) == _parse(make(), text)
 

@@ -7,7 +7,8 @@ constraint that makes a forced call valid, and the parsers that find calls in ou
   output is text, never parsed;
 - ``auto`` (the default when tools are given): the output is parsed by the server's
   ``--tool-call-parser`` (``hermes``: ``<tool_call>{...}</tool_call>`` blocks;
-  ``llama3_json``: an output that is one or more ``{"name", "parameters"}`` objects),
+  ``llama3_json``: an output that is one or more ``{"name", "parameters"}`` objects;
+  ``pythonic``: an output that is a list of calls, ``[f(a=1), g()]``),
   which needs ``--enable-auto-tool-choice``, as in vLLM;
 - ``required``: the structured-output engine constrains the output to a JSON array of
   one or more ``{"name", "parameters"}`` objects, each naming a given function with
@@ -323,9 +324,72 @@ class NamedCallParser(OutputParser):
         return Settled() if self.num_calls else Settled(calls=[self._call(self._name, "")])
 
 
+class PythonicParser(OutputParser):
+    """Calls written as a Python list of calls with literal keyword arguments,
+    ``[get_weather(city="Paris", days=2), now()]`` (Llama 3.2 / 4's pythonic format).
+    An output that starts with ``[`` is held until it ends and read with ``ast`` (never
+    evaluated); one that starts otherwise, or does not read as such a list, is content."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._pending = ""
+        self._state: Literal["undecided", "calls", "text"] = "undecided"
+
+    def feed(self, text: str) -> Settled:
+        self._pending += text
+        if self._state == "undecided":
+            head = self._pending.lstrip()
+            if not head:
+                return Settled()
+            self._state = "calls" if head.startswith("[") else "text"
+        if self._state == "text":
+            out, self._pending = Settled(self._pending), ""
+            return out
+        return Settled()
+
+    def finish(self) -> Settled:
+        text, self._pending = self._pending, ""
+        if self._state != "calls":
+            return Settled(text)
+        calls = _pythonic_calls(text.strip())
+        if calls is None:
+            return Settled(text)
+        return Settled(calls=[self._call(name, arguments) for name, arguments in calls])
+
+
+def _pythonic_calls(text: str) -> list[tuple[str, str]] | None:
+    """``(name, arguments JSON)`` of each call in ``[f(a=1), g()]``, or ``None``."""
+    import ast
+
+    try:
+        tree = ast.parse(text, mode="eval").body
+    except (SyntaxError, ValueError, RecursionError):
+        return None
+    if not isinstance(tree, ast.List) or not tree.elts:
+        return None
+    calls = []
+    for node in tree.elts:
+        if not isinstance(node, ast.Call) or node.args or not isinstance(node.func, ast.Name):
+            return None
+        arguments = {}
+        for keyword in node.keywords:
+            if keyword.arg is None:  # **kwargs
+                return None
+            try:
+                arguments[keyword.arg] = ast.literal_eval(keyword.value)
+            except (ValueError, TypeError, SyntaxError, RecursionError):
+                return None
+        try:
+            calls.append((node.func.id, json.dumps(arguments, ensure_ascii=False)))
+        except (TypeError, ValueError):  # a literal JSON cannot hold (a set, bytes, ...)
+            return None
+    return calls
+
+
 PARSERS: dict[str, type[OutputParser]] = {
     "hermes": HermesParser,
     "llama3_json": Llama3JsonParser,
+    "pythonic": PythonicParser,
 }
 """``--tool-call-parser`` names (vLLM's) and the parsers they select."""
 

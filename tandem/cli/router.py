@@ -131,7 +131,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     router.set_defaults(run=run)
 
 
-TOOL_CALL_PARSERS = ("hermes", "llama3_json")
+TOOL_CALL_PARSERS = ("hermes", "llama3_json", "pythonic")
 """``--tool-call-parser`` choices (``tandem.router.openai_api.tools.PARSERS``' names,
 kept here so parsing the command line imports no router code)."""
 
@@ -154,7 +154,8 @@ def add_chat_options(parser: argparse.ArgumentParser) -> None:
         "--tool-call-parser",
         choices=TOOL_CALL_PARSERS,
         help="how calls are read from the output under auto: hermes (<tool_call> JSON "
-        "blocks: Hermes, Qwen 2.5/3, Tandem's checkpoints) or llama3_json (Llama 3.1+)",
+        "blocks: Hermes, Qwen 2.5/3, Tandem's checkpoints), llama3_json (Llama 3.1+) or "
+        "pythonic ([f(a=1), g()]: Llama 3.2 / 4)",
     )
 
 
