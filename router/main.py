@@ -35,6 +35,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+HTTP_PREFIX = "HTTP "
+"""The router's ``HTTP <port>`` line: where its OpenAI API listens (before READY)."""
+
 
 @dataclass(frozen=True)
 class RouterOptions:
@@ -131,6 +134,7 @@ async def _start_http(
     await http.start()
     scheme = "http" if options.tls is None else "https"
     log.info("OpenAI-compatible API at %s://%s:%d/v1", scheme, options.host, http.port)
+    print(f"{HTTP_PREFIX}{http.port}", flush=True)  # for a launcher (before READY)
     return http
 
 

@@ -277,8 +277,8 @@ def test_chat_template_and_tool_flags_reach_the_router(
         with pytest.raises(SystemExit):
             router_options(build_parser().parse_args(["router", *SERVER, *lonely]))
         assert "needs --" in capsys.readouterr().err
-    assert "invalid choice: 'pythonic'" in _parse_error(
-        ["router", *SERVER, "--tool-call-parser", "pythonic"], capsys
+    assert "invalid choice: 'mistral'" in _parse_error(
+        ["router", *SERVER, "--tool-call-parser", "mistral"], capsys
     )
 
 

@@ -20,7 +20,7 @@ def test_serve_demo_answers_and_cleans_up() -> None:
     before = {p.pid for p in psutil.process_iter()}
     port = free_port()
     result = subprocess.run(
-        [sys.executable, "-m", "tandem.cli", "serve", "--demo", "--port", str(port)],
+        [sys.executable, "-m", "tandem.cli", "serve", "--demo", "--grpc-port", str(port)],
         capture_output=True,
         text=True,
         timeout=240,
@@ -57,7 +57,7 @@ def test_serve_ray_demo_answers_and_leaves_nothing_running() -> None:
     before = {p.pid for p in psutil.process_iter()}
     port = free_port()
     command = [sys.executable, "-m", "tandem.cli", "serve", "--ray", "--demo"]
-    command += ["--tensor-parallel-size", "2", "--ray-num-cpus", "4", "--port", str(port)]
+    command += ["--tensor-parallel-size", "2", "--ray-num-cpus", "4", "--grpc-port", str(port)]
     result = subprocess.run(command, capture_output=True, text=True, timeout=240)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
     assert "(tensor-parallel size 2)" in result.stdout and "on Ray (a local Ray)" in result.stdout
@@ -88,9 +88,12 @@ def test_serve_as_vllm_serve_is_called(make_checkpoint) -> None:
     command = [sys.executable, "-m", "tandem.cli", "serve", str(make_checkpoint("qwen3"))]
     command += ["--served-model-name", "mine", "--max-model-len", "128", "--dtype", "float32"]
     command += ["--no-enable-prefix-caching", "--max-num-seqs", "8", "--demo"]
-    command += ["--port", "0"]  # a free port, as the router's READY line says
+    command += ["--grpc-port", "0", "--port", "0"]  # free ports, as the router says them
     result = subprocess.run(command, capture_output=True, text=True, timeout=240)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
     (line,) = [x for x in result.stdout.splitlines() if x.startswith("tandem serving 'mine' at")]
     assert not line.split()[4].endswith(":0;") and line.split()[4].startswith("127.0.0.1:")
+    # --port is the OpenAI API's, as in vllm serve
+    (http,) = [x for x in result.stdout.splitlines() if x.startswith("OpenAI-compatible API")]
+    assert http.startswith("OpenAI-compatible API at http://127.0.0.1:") and ":0/" not in http
     assert "48 generated" in result.stdout

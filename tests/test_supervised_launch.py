@@ -40,7 +40,9 @@ def model_dir(make_checkpoint: Callable[..., Path]) -> Path:
 
 def test_serve_refuses_settings_that_cannot_work_before_starting_anything(model_dir) -> None:
     too_small = ("--worker-arg=--num-kv-blocks=2", "--worker-arg=--max-model-len=1024")
-    result = _tandem("serve", "--model", str(model_dir), "--port", str(free_port()), *too_small)
+    result = _tandem(
+        "serve", "--model", str(model_dir), "--grpc-port", str(free_port()), *too_small
+    )
     assert result.returncode == 2
     assert result.stderr.strip().splitlines() == [
         "tandem serve: error: prefill workers: the KV cache holds 2 blocks of 16 tokens, "
@@ -73,7 +75,9 @@ def test_a_component_that_dies_at_start_up_fails_the_launch(model_dir) -> None:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
-        result = _tandem("serve", "--model", str(model_dir), "--port", str(port))
+        result = _tandem(
+            "serve", "--model", str(model_dir), "--grpc-port", str(port), "--port", str(free_port())
+        )
     assert result.returncode == 1
     assert "Traceback" not in result.stderr
     assert "tandem serve: error: router exited with code 1" in result.stderr

@@ -37,6 +37,8 @@ if TYPE_CHECKING:
 
 READY_PREFIX = "READY "
 METRICS_PREFIX = "METRICS "
+HTTP_PREFIX = "HTTP "
+"""The router's ``HTTP <port>`` line: its OpenAI API's port (``router.main.HTTP_PREFIX``)."""
 """A component's ``METRICS <port>`` line: where its ``/metrics`` is (before READY)."""
 
 
@@ -188,6 +190,8 @@ class _Child:
     ready_line: str = ""
     metrics_port: int | None = None
     """From its ``METRICS <port>`` line."""
+    http_port: int | None = None
+    """The router's, from its ``HTTP <port>`` line."""
     started_at: float = field(default_factory=time.monotonic)
     restarts: int = 0
 
@@ -237,6 +241,15 @@ class LocalCluster:
         if router is not None and router.ready_line:
             return router.ready_line.split()[-1]
         return f"{self.spec.host}:{self.spec.router_port}"
+
+    @property
+    def http_address(self) -> str | None:
+        """``host:port`` of the router's OpenAI API, as its ``HTTP`` line says (``None``:
+        not served)."""
+        router = self.children.get("router")
+        if router is None or router.http_port is None:
+            return None
+        return f"{self.spec.host}:{router.http_port}"
 
     @property
     def model_name(self) -> str:
@@ -482,6 +495,8 @@ def _pump(child: _Child, sink: TextIO | None) -> None:
         for line in child.process.stdout:
             if line.startswith(METRICS_PREFIX):
                 child.metrics_port = int(line.split()[1])
+            if line.startswith(HTTP_PREFIX):
+                child.http_port = int(line.split()[1])
             if line.startswith(READY_PREFIX) and not child.ready.is_set():
                 child.ready_line = line.strip()
                 child.ready.set()

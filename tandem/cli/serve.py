@@ -66,11 +66,18 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "--prefill-workers", type=int, default=1, help="prefill worker processes (0: none)"
     )
     serve.add_argument("--decode-workers", type=positive_int, default=1, help="decode workers")
-    serve.add_argument("--port", type=int, default=50051, help="the router's gRPC port")
     serve.add_argument(
+        "--port",
         "--http-port",
         type=int,
-        help="also serve the OpenAI-compatible HTTP API on this port (default: off)",
+        help="the OpenAI-compatible HTTP API's port, as in `vllm serve` (default: 8000; "
+        "with --demo, off unless given; 0: a free port, printed)",
+    )
+    serve.add_argument(
+        "--grpc-port",
+        type=int,
+        default=50051,
+        help="the router's gRPC API port (tandem.v1.Generation; 0: a free port, printed)",
     )
     serve.add_argument(
         "--metrics-port",
@@ -264,13 +271,14 @@ def _run(args: argparse.Namespace) -> int:
         require_ray("tandem serve --ray")
     args.model = _model_argument(args)
     spec_extra = _speculative_config(args)
+    http_port = _http_port(args)
     model = args.model or str(default_model())
     generation_config = args.generation_config
     spec = ClusterSpec(
         model_dir=model,
         num_prefill=args.prefill_workers,
         num_decode=args.decode_workers,
-        router_port=args.port,
+        router_port=args.grpc_port,
         host=args.host,
         redis_url=args.redis_url,
         model_name=args.model_name[0] if args.model_name else None,
@@ -283,7 +291,7 @@ def _run(args: argparse.Namespace) -> int:
         prefill_args=tuple(args.prefill_worker_arg),
         decode_args=(*spec_extra, *_speculative_args(args), *args.decode_worker_arg),
         router_args=(
-            *(() if args.http_port is None else ("--http-port", str(args.http_port))),
+            *(() if http_port is None else ("--http-port", str(http_port))),
             *(() if generation_config is None else ("--generation-config", generation_config)),
             *_chat_args(args),
             *_tracing_args(args),
@@ -326,9 +334,9 @@ def _run(args: argparse.Namespace) -> int:
                 f"Ray: {cluster.ray_address}, namespace {args.ray_namespace!r} "
                 f"(`{auth}ray list actors`; `tandem scale --role decode --replicas N`)"
             )
-        if args.http_port is not None:
+        if http_port is not None:
             scheme = "https" if cluster.certs is not None else "http"
-            print(f"OpenAI-compatible API at {scheme}://{args.host}:{args.http_port}/v1")
+            print(f"OpenAI-compatible API at {scheme}://{cluster.http_address}/v1")
         metrics = ", ".join(f"{name} {url}" for name, url in cluster.metrics_urls.items())
         print(f"Prometheus metrics: {metrics}")
         if cluster.certs is not None:
@@ -346,6 +354,21 @@ def _run(args: argparse.Namespace) -> int:
             wait_for_signal()
         print("stopping", flush=True)
     return 0
+
+
+VLLM_HTTP_PORT = 8000
+
+
+def _http_port(args: argparse.Namespace) -> int | None:
+    """The OpenAI API's port: ``--port`` as in vLLM (8000 by default), off for ``--demo``
+    unless given (the demo asks over gRPC, and a busy 8000 must not stop it)."""
+    port = args.port if args.port is not None else None if args.demo else VLLM_HTTP_PORT
+    if port is not None and port != 0 and port == args.grpc_port:
+        args.parser.error(
+            f"--port {port} is the OpenAI HTTP API's port (as in vllm serve) and "
+            f"--grpc-port is {args.grpc_port}: give them different ports"
+        )
+    return port
 
 
 def _tracing_args(args: argparse.Namespace) -> list[str]:

@@ -189,6 +189,15 @@ class RayCluster:
         return self._status.router.address
 
     @property
+    def http_address(self) -> str | None:
+        """``host:port`` of the router's OpenAI API (``None``: not served)."""
+        assert self._status is not None, "not started"
+        router = self._status.router
+        if router.http_port is None:
+            return None
+        return f"{router.address.rsplit(':', 1)[0]}:{router.http_port}"
+
+    @property
     def redis_url(self) -> str:
         """The registry's URL (the embedded Redis actor's, unless one was given)."""
         assert self._status is not None, "not started"

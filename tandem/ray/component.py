@@ -31,7 +31,7 @@ from typing import TextIO
 
 import ray
 
-from tandem.cli.launcher import METRICS_PREFIX, READY_PREFIX
+from tandem.cli.launcher import HTTP_PREFIX, METRICS_PREFIX, READY_PREFIX
 from tandem.cli.options import CommandError, setup_logging, setup_tracing
 
 log = logging.getLogger(__name__)
@@ -58,6 +58,8 @@ class Endpoint:
     node_ip: str
     log_dir: str
     """Ray's log folder on the component's node (its output: ``worker-*-<pid>.out``)."""
+    http_port: int | None = None
+    """The router's OpenAI API port, when it serves one."""
 
     @property
     def metrics_url(self) -> str | None:
@@ -77,6 +79,7 @@ class _Announcements:
         self.ready = threading.Event()
         self.ready_address = ""
         self.metrics_port: int | None = None
+        self.http_port: int | None = None
 
     def write(self, text: str) -> int:
         with self._lock:
@@ -85,6 +88,8 @@ class _Announcements:
         for line in lines:
             if line.startswith(METRICS_PREFIX):
                 self.metrics_port = int(line.split()[1])
+            elif line.startswith(HTTP_PREFIX):
+                self.http_port = int(line.split()[1])
             elif line.startswith(READY_PREFIX):
                 self.ready_address = line.split()[-1]
                 self.ready.set()
@@ -152,6 +157,7 @@ class Component:
             os.getpid(),
             self._node_ip,
             _ray_log_dir(),
+            self._announced.http_port,
         )
 
     def drain(self) -> None:
