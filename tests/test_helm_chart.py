@@ -248,6 +248,9 @@ def test_every_command_parses_with_tandems_own_parser(tmp_path: Path, values: di
         parsed[container["name"]] = args
         if args.command != "planner":
             assert args.metrics_port == 9400
+        if args.command == "serve":  # KubeRay's driver: it serves the ports its pod declares
+            declared = {p["name"]: p["containerPort"] for p in container.get("ports", ())}
+            assert (args.grpc_port, args.port) == (declared["grpc"], declared["http"])
     expected = {"tandem"} if values is KUBERAY else {"router", "prefill", "decode"}
     if values is PLANNER:
         expected.add("planner")

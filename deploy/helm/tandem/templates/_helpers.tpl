@@ -219,9 +219,9 @@ shares it too. */}}
 - {{ $k.rayNamespace | quote }}
 - --host
 - 0.0.0.0
-- --port
+- --grpc-port
 - {{ .Values.ports.api | quote }}
-- --http-port
+- --port
 - {{ .Values.ports.http | quote }}
 - --metrics-port
 - {{ .Values.ports.metrics | quote }}
