@@ -121,6 +121,17 @@ def test_hermes_parser(text: str, content: str, calls: list[dict]) -> None:
     assert _parse(HermesParser(), text) == (content, calls)
 
 
+def test_output_nested_past_the_stack_is_content() -> None:
+    deep = "[" * 50_000 + "]" * 50_000
+    for make, text in (
+        (HermesParser, f"<tool_call>{deep}</tool_call>"),
+        (Llama3JsonParser, "{" + '"a":' * 1 + deep + "}"),
+        (ForcedCallsParser, f'[{{"name": "f", "parameters": {deep}}}]'),
+    ):
+        content, calls = _parse(make(), text)
+        assert calls == [] and content, make
+
+
 @pytest.mark.parametrize(("text", "content", "calls"), LLAMA_CASES)
 def test_llama3_json_parser(text: str, content: str, calls: list[dict]) -> None:
     assert _parse(Llama3JsonParser(), text) == (content, calls)

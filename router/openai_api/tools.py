@@ -117,7 +117,7 @@ def _call_object(value: Any) -> tuple[str, str] | None:
     if isinstance(arguments, str):  # some models write the arguments as JSON text
         try:
             arguments = json.loads(arguments)
-        except json.JSONDecodeError:
+        except (ValueError, RecursionError):
             return None
     if not isinstance(arguments, dict):
         return None
@@ -187,7 +187,7 @@ class HermesParser(OutputParser):
     def _block(self, body: str, closed: bool = True) -> Settled:
         try:
             call = _call_object(json.loads(body))
-        except json.JSONDecodeError:
+        except (ValueError, RecursionError):
             call = None
         if call is None:
             raw = self.OPEN + body + (self.CLOSE if closed else "")
@@ -256,7 +256,7 @@ class Llama3JsonParser(OutputParser):
                 return out
             try:
                 value, end = decoder.raw_decode(rest)
-            except json.JSONDecodeError:
+            except (ValueError, RecursionError):  # not JSON (yet), or nested past the stack
                 if final:
                     self._pending = rest
                 return out  # not complete yet (or, at the end, text)
@@ -291,7 +291,7 @@ class ForcedCallsParser(OutputParser):
             rest = rest.lstrip().lstrip(",").lstrip()
             try:
                 value, end = decoder.raw_decode(rest)
-            except json.JSONDecodeError:
+            except (ValueError, RecursionError):  # not JSON (yet), or nested past the stack
                 self._pending = rest
                 return out
             call = _call_object(value)
