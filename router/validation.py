@@ -327,6 +327,8 @@ def _json_field(field: str, text: str, kind: type) -> object | None:
         value = json.loads(text)
     except json.JSONDecodeError as err:
         raise InvalidRequest(field, f"is not JSON: {err}") from None
+    except RecursionError:
+        raise InvalidRequest(field, "is JSON nested too deep to read") from None
     if not isinstance(value, kind):
         expected = "an array" if kind is list else "an object"
         raise InvalidRequest(field, f"must be a JSON {expected}")

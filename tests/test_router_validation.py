@@ -368,6 +368,7 @@ def test_grpc_chat_carries_tools_calls_and_template_kwargs(
     [
         (lambda c: setattr(c, "tools_json", "[{"), "chat.tools_json"),
         (lambda c: setattr(c, "tools_json", "{}"), "chat.tools_json"),
+        (lambda c: setattr(c, "tools_json", "[" * 100_000 + "]" * 100_000), "chat.tools_json"),
         (lambda c: setattr(c, "template_kwargs_json", "[]"), "chat.template_kwargs_json"),
         (lambda c: setattr(c, "template_kwargs_json", '{"messages": []}'),
          "chat.template_kwargs_json"),
@@ -396,3 +397,17 @@ def test_further_served_names_are_accepted(model_dir: Path) -> None:
     for name in ("", MODEL, "gpt-4o"):
         validator.validate(request(model=name, prompt="Hi"))
     assert refusal(validator, request(model="other", prompt="Hi")).field == "model"
+
+
+def test_constraints_nested_past_any_stack_are_refused_by_name(
+    validator: RequestValidator,
+) -> None:
+    deep = {
+        "json_schema": '{"a":' * 5000 + "1" + "}" * 5000,
+        "regex": "(" * 20000 + ")" * 20000,
+        "grammar": "start: " + "(" * 20000 + '"a"' + ")" * 20000,
+    }
+    for kind, spec in deep.items():
+        sampling = common_pb2.SamplingParams(structured=common_pb2.StructuredOutput(**{kind: spec}))
+        err = refusal(validator, request(prompt="Hi", sampling=sampling))
+        assert err.field.startswith("sampling.structured"), (kind, str(err))

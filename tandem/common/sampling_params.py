@@ -79,6 +79,8 @@ class StructuredOutput:
                 schema = json.loads(self.spec)
             except json.JSONDecodeError as err:
                 raise ValueError(f"{name} is not valid JSON: {err}") from None
+            except RecursionError:
+                raise ValueError(f"{name} is JSON nested too deep to read") from None
             _check(isinstance(schema, dict | bool), name, "must be a JSON object (or true/false)")
 
     @classmethod

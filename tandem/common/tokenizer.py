@@ -141,7 +141,7 @@ class Tokenizer:
             )
         except jinja2.TemplateError as e:
             raise ChatTemplateError(f"chat template failed: {e}") from e
-        except (TypeError, ValueError, KeyError, AttributeError) as e:
+        except (TypeError, ValueError, KeyError, AttributeError, RecursionError) as e:
             # A template indexing a message or tool the way its model expects and this
             # chat does not (``tool_call.function.arguments|items`` on a string, ...).
             raise ChatTemplateError(f"chat template failed: {type(e).__name__}: {e}") from e
