@@ -176,6 +176,16 @@ def test_tools_render_as_transformers_renders_them(tok: Tokenizer, hf_tok, with_
     )
 
 
+def test_the_developer_role_is_a_system_turn(tok: Tokenizer, hf_tok) -> None:
+    """OpenAI's newer name for instructions, which agent frameworks send."""
+    developer = [{"role": "developer", "content": "Be brief."}, *CHAT[1:]]
+    ours = tok.apply_chat_template(developer)
+    assert ours == tok.apply_chat_template([{"role": "system", "content": "Be brief."}, *CHAT[1:]])
+    assert ours == hf_tok.apply_chat_template(developer, tokenize=False, add_generation_prompt=True)
+    with_tools = tok.apply_chat_template(developer, tools=TOOLS)
+    assert with_tools.count("<|im_start|>system") == 1 and "Be brief.\n\nFunctions" in with_tools
+
+
 def test_template_kwargs_reach_the_template(model_dir: Path, tmp_path: Path) -> None:
     tok = Tokenizer.from_dir(model_dir).with_chat_template(
         "{% for m in messages %}{{ m.content }}{% endfor %}"

@@ -42,7 +42,8 @@ CHAT_TEMPLATE = (
     "{{ bos_token }}"
     "{% if tools %}"
     "<|im_start|>system\n"
-    "{% if messages[0]['role'] == 'system' %}{{ messages[0]['content'] }}\n\n{% endif %}"
+    "{% if messages[0]['role'] in ('system', 'developer') %}"
+    "{{ messages[0]['content'] }}\n\n{% endif %}"
     "Functions you can call, one JSON schema each, between <tools> and </tools>:\n<tools>"
     "{% for tool in tools %}{{ '\\n' }}"
     "{{ (tool['function'] if tool['function'] is defined else tool) | tojson }}"
@@ -53,7 +54,7 @@ CHAT_TEMPLATE = (
     "<|im_end|>\n"
     "{% endif %}"
     "{% for message in messages %}"
-    "{% set role = message['role'] %}"
+    "{% set role = 'system' if message['role'] == 'developer' else message['role'] %}"
     "{% if role not in ('system', 'user', 'assistant', 'tool') %}"
     "{{ raise_exception('Unknown chat role: ' ~ role) }}"
     "{% elif tools and loop.first and role == 'system' %}"
@@ -78,7 +79,8 @@ CHAT_TEMPLATE = (
 )
 """ChatML with tool use in the Hermes convention (the one ``--tool-call-parser hermes``
 reads): the tools listed in a system turn, each call a ``<tool_call>`` JSON block, tool
-results as ``<tool_response>`` blocks of a user turn. Without tools it renders as plain
+results as ``<tool_response>`` blocks of a user turn. OpenAI's ``developer`` role (the
+newer name for instructions) is a system turn. Without tools it renders as plain
 ChatML."""
 
 
