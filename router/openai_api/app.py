@@ -407,38 +407,23 @@ class _Answer:
             await queue.put((index, None))
 
         tasks = [asyncio.ensure_future(pump(i, r)) for i, r in enumerate(admitted)]
-        parsers = [None if self.tools is None else self.tools.parser() for _ in admitted]
         first = await queue.get()
         if isinstance(first[1], _Failure):
             for task in tasks:
                 task.cancel()
             raise first[1].error
-
-        generated = [0] * len(admitted)
-
-        def running(index: int, completion: int) -> dict[str, int] | None:
-            """A choice's usage so far, for ``continuous_usage_stats``."""
-            if not continuous_usage:
-                return None
-            prompt = admitted[index].num_prompt_tokens
-            return {
-                "prompt_tokens": prompt,
-                "completion_tokens": completion,
-                "total_tokens": prompt + completion,
-            }
+        choices = [
+            _StreamedChoice(self, i, r.num_prompt_tokens, continuous_usage)
+            for i, r in enumerate(admitted)
+        ]
 
         async def events() -> AsyncIterator[str]:
             open_streams, usages = len(tasks), {}
             item: tuple[int, Any] | None = first
             try:
-                for index in range(len(tasks)):  # a chat's role, or a completion's echo
-                    if self.chat:
-                        opening: Any = {"role": "assistant", "content": ""}
-                    elif self.echo is not None:
-                        opening = self.echo[index]
-                    else:
-                        continue
-                    yield self._event(index, opening, None, None, running(index, 0))
+                for choice in choices:  # a chat's role, or a completion's echo
+                    if (opening := choice.opening()) is not None:
+                        yield opening
                 while open_streams:
                     index, response = item if item is not None else await queue.get()
                     item = None
@@ -446,34 +431,12 @@ class _Answer:
                         open_streams -= 1
                         continue
                     if isinstance(response, _Failure):
-                        error = response.error
-                        yield _sse(
-                            {
-                                "error": {
-                                    "message": str(error),
-                                    "type": error.kind,
-                                    "param": error.param,
-                                    "code": None,
-                                }
-                            }
-                        )
+                        yield _error_event(response.error)
                         return
-                    finish = FINISH_REASON_FROM_PROTO[response.finish_reason]
-                    if finish is not None:
+                    if response.finish_reason:
                         usages[index] = response.usage
-                    logprobs = None
-                    if self.logprobs_wanted:
-                        logprobs = self._logprobs(list(response.token_ids), list(response.logprobs))
-                    generated[index] += len(response.token_ids)
-                    parser = parsers[index]
-                    if parser is None:
-                        content = {"content": response.text} if self.chat else response.text
-                    else:
-                        content, finish = self._tool_delta(parser, response.text, finish)
-                        if not content and logprobs is None and finish is None:
-                            continue  # held back: it may be the start of a call
-                    usage = running(index, generated[index])
-                    yield self._event(index, content, logprobs, finish, usage)
+                    if (event := choices[index].event(response)) is not None:
+                        yield event
                 if include_usage:
                     yield _sse(
                         {
@@ -582,6 +545,61 @@ def _prompt_text(generator: Generator, request: generation_pb2.GenerateRequest) 
     if request.WhichOneof("input") == "prompt":
         return request.prompt
     return generator.tokenizer.decode(list(request.token_ids.ids))
+
+
+class _StreamedChoice:
+    """One choice of a streamed answer: its tool parser and the tokens it has sent."""
+
+    def __init__(self, answer: _Answer, index: int, prompt_tokens: int, continuous: bool) -> None:
+        self.answer, self.index = answer, index
+        self.parser = None if answer.tools is None else answer.tools.parser()
+        self.prompt_tokens, self.continuous = prompt_tokens, continuous
+        self.generated = 0
+
+    def opening(self) -> str | None:
+        """The event before any token: a chat's role, or a completion's echo."""
+        answer = self.answer
+        if answer.chat:
+            content: Any = {"role": "assistant", "content": ""}
+        elif answer.echo is not None:
+            content = answer.echo[self.index]
+        else:
+            return None
+        return answer._event(self.index, content, None, None, self._usage())
+
+    def event(self, response: generation_pb2.GenerateResponse) -> str | None:
+        """The event for a worker's response; ``None`` while the tool parser holds its
+        text back (it may be the start of a call)."""
+        answer = self.answer
+        finish = FINISH_REASON_FROM_PROTO[response.finish_reason]
+        logprobs = None
+        if answer.logprobs_wanted:
+            logprobs = answer._logprobs(list(response.token_ids), list(response.logprobs))
+        self.generated += len(response.token_ids)
+        if self.parser is None:
+            content: Any = {"content": response.text} if answer.chat else response.text
+        else:
+            content, finish = answer._tool_delta(self.parser, response.text, finish)
+            if not content and logprobs is None and finish is None:
+                return None
+        return answer._event(self.index, content, logprobs, finish, self._usage())
+
+    def _usage(self) -> dict[str, int] | None:
+        """The usage so far, for ``continuous_usage_stats``."""
+        if not self.continuous:
+            return None
+        return {
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": self.generated,
+            "total_tokens": self.prompt_tokens + self.generated,
+        }
+
+
+def _error_event(error: ApiError) -> str:
+    """A stream's last event when it fails after its first."""
+    return _sse(
+        {"error": {"message": str(error), "type": error.kind, "param": error.param, "code": None}}
+    )
 
 
 class _Failure(Exception):

@@ -25,6 +25,7 @@ function, whose arguments stream as the model writes them.
 
 from __future__ import annotations
 
+import abc
 import json
 import uuid
 from collections.abc import Mapping, Sequence
@@ -72,17 +73,19 @@ class Settled:
         return self
 
 
-class OutputParser:
+class OutputParser(abc.ABC):
     """Finds tool calls in one choice's output, piece by piece."""
 
     def __init__(self) -> None:
         self.num_calls = 0
 
+    @abc.abstractmethod
     def feed(self, text: str) -> Settled:
-        raise NotImplementedError
+        """What ``text``, the output's next piece, settles."""
 
+    @abc.abstractmethod
     def finish(self) -> Settled:
-        raise NotImplementedError
+        """What is left once the output has ended."""
 
     def _call(self, name: str, arguments: str) -> CallDelta:
         self.num_calls += 1
@@ -208,7 +211,41 @@ class HermesParser(OutputParser):
         return body
 
 
-class Llama3JsonParser(OutputParser):
+class _OpeningParser(OutputParser):
+    """Formats where the output's opening decides: calls from the first character on,
+    or else plain content, passed through as it comes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._pending = ""
+        self._state: Literal["undecided", "calls", "text"] = "undecided"
+
+    @abc.abstractmethod
+    def _opens(self, head: str) -> str | None:
+        """For the output so far (leading whitespace stripped): the text the calls start
+        with, ``""`` for content, ``None`` while it cannot tell yet."""
+
+    def _more_calls(self, text: str) -> Settled:
+        """What a new piece settles once the output is calls (default: wait for the end)."""
+        return Settled()
+
+    def feed(self, text: str) -> Settled:
+        self._pending += text
+        if self._state == "undecided":
+            calls = self._opens(self._pending.lstrip())
+            if calls is None:
+                return Settled()
+            if calls:
+                self._state, self._pending = "calls", calls
+            else:
+                self._state = "text"
+        if self._state == "text":
+            out, self._pending = Settled(self._pending), ""
+            return out
+        return self._more_calls(text)
+
+
+class Llama3JsonParser(_OpeningParser):
     """Llama 3.1+ JSON calls: an output that starts with ``{`` (after Llama's
     ``<|python_tag|>`` when special tokens are kept) is one or more
     ``{"name": ..., "parameters": {...}}`` objects separated by ``;``. An output that
@@ -216,28 +253,16 @@ class Llama3JsonParser(OutputParser):
 
     PYTHON_TAG = "<|python_tag|>"
 
-    def __init__(self) -> None:
-        super().__init__()
-        self._pending = ""
-        self._state: Literal["undecided", "calls", "text"] = "undecided"
+    def _opens(self, head: str) -> str | None:
+        if head.startswith(self.PYTHON_TAG):
+            head = head[len(self.PYTHON_TAG) :].lstrip()
+        elif self.PYTHON_TAG.startswith(head):
+            return None  # nothing yet, or what may be the tag arriving
+        if not head:
+            return None
+        return head if head.startswith("{") else ""
 
-    def feed(self, text: str) -> Settled:
-        self._pending += text
-        if self._state == "undecided":
-            head = self._pending.lstrip()
-            if head.startswith(self.PYTHON_TAG):
-                head = head[len(self.PYTHON_TAG) :].lstrip()
-            elif self.PYTHON_TAG.startswith(head):
-                return Settled()  # nothing yet, or what may be the tag arriving
-            if not head:
-                return Settled()
-            if head.startswith("{"):
-                self._state, self._pending = "calls", head
-            else:
-                self._state = "text"
-        if self._state == "text":
-            out, self._pending = Settled(self._pending), ""
-            return out
+    def _more_calls(self, text: str) -> Settled:
         return self._calls(final=False) if "}" in text else Settled()
 
     def finish(self) -> Settled:
@@ -324,28 +349,16 @@ class NamedCallParser(OutputParser):
         return Settled() if self.num_calls else Settled(calls=[self._call(self._name, "")])
 
 
-class PythonicParser(OutputParser):
+class PythonicParser(_OpeningParser):
     """Calls written as a Python list of calls with literal keyword arguments,
     ``[get_weather(city="Paris", days=2), now()]`` (Llama 3.2 / 4's pythonic format).
     An output that starts with ``[`` is held until it ends and read with ``ast`` (never
     evaluated); one that starts otherwise, or does not read as such a list, is content."""
 
-    def __init__(self) -> None:
-        super().__init__()
-        self._pending = ""
-        self._state: Literal["undecided", "calls", "text"] = "undecided"
-
-    def feed(self, text: str) -> Settled:
-        self._pending += text
-        if self._state == "undecided":
-            head = self._pending.lstrip()
-            if not head:
-                return Settled()
-            self._state = "calls" if head.startswith("[") else "text"
-        if self._state == "text":
-            out, self._pending = Settled(self._pending), ""
-            return out
-        return Settled()
+    def _opens(self, head: str) -> str | None:
+        if not head:
+            return None
+        return head if head.startswith("[") else ""
 
     def finish(self) -> Settled:
         text, self._pending = self._pending, ""
