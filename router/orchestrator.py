@@ -295,25 +295,18 @@ class Orchestrator:
             ticket = self.pools.begin_decode(
                 worker.info.worker_id, -(-num_tokens // worker.info.capacity.block_size)
             )
-            message = worker_pb2.DecodeRequest(
-                # A retry has an id of its own: the worker it goes to may still be
-                # tearing down an earlier attempt of the same request.
-                request_id=request.request_id if not attempt else f"{request.request_id}~{attempt}",
-                prompt_token_ids=request.prompt_token_ids,
-                output_token_ids=produced,
-                sampling=_worker_sampling(request),
-                priority=request.priority,
-                kv=handle,
+            message = _decode_message(request, produced, handle, attempt)
+            span = _call_span(
+                "tandem.router.decode",
+                trace,
+                worker,
+                attempt,
+                {"tandem.kv_handle": handle is not None, "tandem.resumed_tokens": len(produced)},
             )
-            span = _call_span("tandem.router.decode", trace, worker, attempt)
-            if span.recording:
-                span.set_attributes(
-                    {"tandem.kv_handle": handle is not None, "tandem.resumed_tokens": len(produced)}
-                )
             call = self.clients.decode(worker).Decode(
                 message, timeout=_remaining(deadline), metadata=tracing.metadata(span)
             )
-            why = "the stream ended without a finish reason"
+            why: str | None = None  # None: finished, or closed by the caller (its choice)
             try:
                 async for response in _within_bounds(call, StreamClock(self.config.stall)):
                     self._note_kv(response, trace, span)
@@ -325,9 +318,9 @@ class Orchestrator:
                     yield TokenChunk(tuple(response.token_ids), tuple(response.logprobs), finish)
                     if finish is not None:
                         return
+                why = "the stream ended without a finish reason"
                 log.warning(
-                    "decode stream on %s ended without a finish reason; continuing elsewhere",
-                    worker.info.worker_id,
+                    "decode stream on %s: %s; continuing elsewhere", worker.info.worker_id, why
                 )
             except StreamStalled as err:
                 why = f"stalled: {err}"
@@ -339,7 +332,6 @@ class Orchestrator:
             except (grpc.aio.AioRpcError, asyncio.CancelledError) as err:
                 why = _why(err)
                 if not worker_failed(err):
-                    span.fail(why)
                     raise
                 log.warning(
                     "decode on %s failed (%s); continuing elsewhere",
@@ -350,10 +342,7 @@ class Orchestrator:
             finally:
                 call.cancel()
                 self.pools.end(ticket)
-                if span.recording:
-                    span.set_attribute("tandem.tokens", len(produced))
-                span.end()
-            span.fail(why)
+                _end_call_span(span, why, len(produced))
             trace.span.add_event(
                 "decode migration",
                 {"tandem.from_worker": worker.info.worker_id, "tandem.reason": why},
@@ -483,13 +472,43 @@ async def _within_bounds(
 
 
 def _call_span(
-    name: str, trace: RequestTrace, worker: WorkerRecord, attempt: int
+    name: str,
+    trace: RequestTrace,
+    worker: WorkerRecord,
+    attempt: int,
+    attributes: dict[str, object] | None = None,
 ) -> tracing.AnySpan:
     """A span for one call to a worker, under the request's (none when not traced)."""
     if not trace.span.recording:
         return tracing.NO_SPAN
-    return tracing.start(
-        name, trace.span, {"tandem.worker": worker.info.worker_id, "tandem.attempt": attempt}
+    base = {"tandem.worker": worker.info.worker_id, "tandem.attempt": attempt}
+    return tracing.start(name, trace.span, {**base, **(attributes or {})})
+
+
+def _end_call_span(span: tracing.AnySpan, why: str | None, tokens: int) -> None:
+    """End a decode call's span: its tokens so far, failed with ``why`` if it failed."""
+    if span.recording:
+        span.set_attribute("tandem.tokens", tokens)
+        if why is not None:
+            span.fail(why)
+    span.end()
+
+
+def _decode_message(
+    request: ValidatedRequest,
+    produced: list[int],
+    handle: worker_pb2.KVHandle | None,
+    attempt: int,
+) -> worker_pb2.DecodeRequest:
+    return worker_pb2.DecodeRequest(
+        # A retry has an id of its own: the worker it goes to may still be tearing down
+        # an earlier attempt of the same request.
+        request_id=request.request_id if not attempt else f"{request.request_id}~{attempt}",
+        prompt_token_ids=request.prompt_token_ids,
+        output_token_ids=produced,
+        sampling=_worker_sampling(request),
+        priority=request.priority,
+        kv=handle,
     )
 
 
