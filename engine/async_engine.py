@@ -15,12 +15,12 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import TypeVar
 
 from tandem.common.faults import fault_at
 from tandem.common.sampling_params import SamplingParams
-from tandem.engine.llm_engine import LLMEngine
+from tandem.engine.llm_engine import Handover, LLMEngine
 from tandem.engine.outputs import EngineLoad, RequestDelta
 from tandem.engine.request import PrefillMode
 from tandem.engine.scheduler import KVPull
@@ -108,9 +108,11 @@ class AsyncEngine:
         priority: int = 0,
         output_token_ids: list[int] | None = None,
         prefill_mode: PrefillMode = PrefillMode.LOCAL,
+        num_remote_tokens: int = 0,
     ) -> AsyncIterator[RequestDelta]:
         """Add a request and yield its deltas until it finishes (or, for ``HAND_OFF``,
-        until its first token is out). ``ValueError`` if the engine refuses it, or if
+        until its first token is out; or until ``migrate_out`` takes it: then the last
+        delta carries the ``handover``). ``ValueError`` if the engine refuses it, or if
         ``request_id`` still names a request here (one running, or left early and not
         yet aborted). Leaving the loop early aborts the request."""
         if request_id in self._streams or request_id in self._closing:
@@ -123,14 +125,20 @@ class AsyncEngine:
         try:
             await self.call(
                 lambda e: e.add_request(
-                    prompt_token_ids, params, request_id, priority, output_token_ids, prefill_mode
+                    prompt_token_ids,
+                    params,
+                    request_id,
+                    priority,
+                    output_token_ids,
+                    prefill_mode,
+                    num_remote_tokens,
                 )
             )
             while not done:
                 item = await stream.get()
                 if isinstance(item, BaseException):
                     raise item
-                done = item.finished or item.prefilled
+                done = item.finished or item.prefilled or item.handover is not None
                 yield item
         finally:
             self._streams.pop(request_id, None)
@@ -142,6 +150,23 @@ class AsyncEngine:
                     self._post(self._closing.discard, request_id)
 
                 self._commands.put(abort)
+
+    async def migrate_out(self, request_ids: Sequence[str]) -> dict[str, Handover]:
+        """Take running requests off this engine (``LLMEngine.migrate_out``), in one
+        command; each one's stream then ends with a delta carrying its ``Handover``,
+        after every delta of the steps before (both reach the event loop in the engine
+        thread's order). Requests unknown or done are left out of the result."""
+
+        def take(engine: LLMEngine) -> dict[str, Handover]:
+            taken = {rid: engine.migrate_out(rid) for rid in request_ids}
+            return {rid: h for rid, h in taken.items() if h is not None}
+
+        handovers = await self.call(take)
+        for rid, handover in handovers.items():
+            stream = self._streams.get(rid)
+            if stream is not None:  # else its consumer left: the engine frees it on abort
+                stream.put_nowait(RequestDelta(rid, [], "", None, [], handover=handover))
+        return handovers
 
     # --- the engine thread -------------------------------------------------------------
 

@@ -15,7 +15,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Collection, Mapping
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from tandem.common.kv_events.events import KVCacheEvent
@@ -212,12 +212,15 @@ class LLMEngine:
         priority: int = 0,
         output_token_ids: list[int] | None = None,
         prefill_mode: PrefillMode = PrefillMode.LOCAL,
+        num_remote_tokens: int = 0,
     ) -> Request:
         """Validate and queue a request; raises ``ValueError`` naming the bad field.
 
         ``output_token_ids``: tokens already generated elsewhere (a prefill worker's first
-        token, or a stream resumed after a worker failure); generation continues after
-        them, and a seeded request continues its random sequence where they left it.
+        token, or a stream resumed after a worker failure or handed over); generation
+        continues after them, and a seeded request continues its random sequence where
+        they left it. ``num_remote_tokens`` (``REMOTE``): how many tokens the pulled KV
+        covers, 0 for the prompt (a migration's covers all but the last token).
         """
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         if request_id in self.requests:
@@ -225,8 +228,9 @@ class LLMEngine:
         params = params or SamplingParams()
         token_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         outputs = list(output_token_ids or [])
-        self._validate(token_ids, outputs, params, prefill_mode)
+        self._validate(token_ids, outputs, params, prefill_mode, num_remote_tokens)
         request = Request(request_id, token_ids, params, priority, prefill_mode, outputs)
+        request.num_remote_tokens = num_remote_tokens or request.num_remote_tokens
         if params.structured is not None:
             request.grammar = self.structured.matcher(params.structured, outputs)
         self.requests[request_id] = request
@@ -246,6 +250,28 @@ class LLMEngine:
             self.speculator.forget(request_id)
             self._next_drafts = self._next_drafts.without(request_id)  # the id may return
         return True
+
+    def migrate_out(self, request_id: str) -> Handover | None:
+        """Stop running ``request_id`` here so another engine can continue it: its KV
+        blocks are held (``PREFILLED``) for a pull, and freed by ``release_prefilled``.
+        A request with no KV yet (queued, preempted, or waiting for a pull) is aborted
+        and hands over no blocks: the next engine computes its tokens. ``None`` when the
+        request is unknown or done. Nothing more is emitted for it here: every token it
+        produced was in an earlier step's deltas."""
+        request = self.requests.get(request_id)
+        if request is None or request.is_finished or request.status is RequestStatus.PREFILLED:
+            return None
+        if self.speculator is not None:
+            self.speculator.forget(request_id)
+        self._next_drafts = self._next_drafts.without(request_id)
+        num_tokens = request.num_computed_tokens
+        if request.status is not RequestStatus.RUNNING or not num_tokens:
+            self.abort_request(request_id)
+            return Handover((), 0)
+        self.scheduler.hold(request)
+        self.text_streams.pop(request_id, None)
+        num_blocks = -(-num_tokens // self.runtime.block_size)
+        return Handover(tuple(self.kv_cache.block_ids(request)[:num_blocks]), num_tokens)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.num_unfinished > 0
@@ -446,7 +472,12 @@ class LLMEngine:
             self.peak_kv_usage = usage
 
     def _validate(
-        self, prompt: list[int], outputs: list[int], params: SamplingParams, mode: PrefillMode
+        self,
+        prompt: list[int],
+        outputs: list[int],
+        params: SamplingParams,
+        mode: PrefillMode,
+        num_remote_tokens: int = 0,
     ) -> None:
         if not prompt:
             raise ValueError("prompt must not be empty")
@@ -468,8 +499,25 @@ class LLMEngine:
             )
         if mode is PrefillMode.REMOTE and not outputs:
             raise ValueError("output_token_ids must hold the prefill's first token")
+        num_tokens = len(prompt) + len(outputs)
+        remote = mode is PrefillMode.REMOTE
+        if num_remote_tokens and (not remote or num_remote_tokens >= num_tokens):
+            raise ValueError(
+                f"the pulled KV may cover at most {num_tokens - 1} of the request's "
+                f"{num_tokens} tokens (the last one is computed here), got {num_remote_tokens}"
+                + ("" if remote else " for a request that pulls none")
+            )
         if params.stop and not self.detokenize:
             raise ValueError("stop strings need an engine that detokenizes (detokenize=True)")
+
+
+@dataclass(frozen=True)
+class Handover:
+    """A sequence ``migrate_out`` took out of the running set: ``block_ids`` hold the KV
+    of its first ``num_tokens`` tokens, in order (both empty/0: it had none yet)."""
+
+    block_ids: tuple[int, ...]
+    num_tokens: int
 
 
 def _within_grammar(drafts: Drafts, requests: Mapping[str, Request]) -> Drafts:

@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING
 from tandem.engine.sampler import TokenLogprobs
 
 if TYPE_CHECKING:
+    from tandem.engine.llm_engine import Handover
     from tandem.engine.spec_decode.speculator import SpecDecodeStats
 
 
@@ -30,6 +31,9 @@ class RequestDelta:
     """Prompt tokens this engine did not compute (prefix cache hits, pulled KV)."""
     queued_s: float = 0.0
     """Arrival to first admission: the request's time in this engine's queue."""
+    handover: Handover | None = None
+    """Set on the last delta of a request ``migrate_out`` took off this engine: where its
+    KV is held for the next one."""
 
     @property
     def finished(self) -> bool:

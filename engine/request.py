@@ -25,8 +25,9 @@ class RequestStatus(enum.Enum):
     WAITING_FOR_KV = "waiting_for_kv"
     """Holds blocks for its prompt; their KV is being pulled from a prefill worker."""
     PREFILLED = "prefilled"
-    """Prompt KV computed and first token sampled here; the blocks stay held for a
-    decode worker to pull until ``release``. Done on this engine."""
+    """Its KV stays held here for another worker to pull, until ``release``; done on
+    this engine. A prefill worker's request after its first token (``HAND_OFF``), or a
+    decode worker's running sequence handed to another decode worker (a migration)."""
     FINISHED = "finished"
 
 
@@ -38,7 +39,9 @@ class PrefillMode(enum.Enum):
     HAND_OFF = "hand_off"
     """Prefill worker: compute the prompt, sample the first token, then hold the KV."""
     REMOTE = "remote"
-    """Decode worker: the prompt's KV is pulled from a prefill worker, then decode here."""
+    """Decode worker: the KV of the first ``num_remote_tokens`` tokens (the prompt, from a
+    prefill worker; or prompt and output, from a decode worker handing the sequence
+    over) is pulled, then decode here."""
 
 
 class FinishReason(enum.Enum):
@@ -73,9 +76,13 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: FinishReason | None = None
     num_preemptions: int = 0
+    num_remote_tokens: int = 0
+    """``REMOTE``: how many tokens, from the first, the pulled KV covers (0: the prompt)."""
 
     def __post_init__(self) -> None:
         self.all_token_ids = [*self.prompt_token_ids, *self.output_token_ids]
+        if self.prefill_mode is PrefillMode.REMOTE and not self.num_remote_tokens:
+            self.num_remote_tokens = self.num_prompt_tokens
 
     @property
     def num_prompt_tokens(self) -> int:

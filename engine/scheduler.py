@@ -12,12 +12,13 @@ request is preempted: its blocks are freed and it waits to recompute its KV (its
 prompt *and* the tokens it already produced, so its output continues unchanged).
 
 Disaggregation is two more states, still counted in tokens. A ``REMOTE`` request (decode
-worker) is admitted by allocating blocks for the prompt tokens its local prefix cache
-lacks, then waits (``WAITING_FOR_KV``, no compute budget) until the caller reports the
-pull done; its computed tokens then jump to the prompt length — or stay at the local
-prefix on failure, and the prompt is computed here like any other. A ``HAND_OFF``
-request (prefill worker) stops after its first token and keeps its blocks
-(``PREFILLED``) until released.
+worker) is admitted by allocating blocks for the remote tokens (its prompt; with a
+migration, prompt and output but the last) its local prefix cache lacks, then waits
+(``WAITING_FOR_KV``, no compute budget) until the caller reports the pull done; its
+computed tokens then jump to the remote count — or stay at the local prefix on failure,
+and the tokens are computed here like any other. A ``HAND_OFF`` request (prefill
+worker) stops after its first token and keeps its blocks (``PREFILLED``) until
+released; a running request ``hold`` takes out (migration) keeps them the same way.
 
 Speculative decoding adds drafts, passed in as token ids: a decoding request given k of
 them gets a chunk of 1 + k positions (its last token, then the drafts to verify), when
@@ -165,11 +166,13 @@ class Scheduler:
         self._finished_ids.append(request.request_id)
 
     def kv_arrived(self, request: Request, ok: bool) -> None:
-        """The pull for a ``WAITING_FOR_KV`` request ended; on failure its prompt is
+        """The pull for a ``WAITING_FOR_KV`` request ended; on failure its tokens are
         computed here, after whatever the local prefix cache held."""
         del self.waiting_for_kv[request.request_id]
         if ok:
-            request.num_computed_tokens = request.num_prompt_tokens
+            request.num_computed_tokens = max(
+                request.num_computed_tokens, request.num_remote_tokens
+            )
             self.kv.publish_full_blocks(request)
         request.status = RequestStatus.RUNNING
         bisect.insort(self.running, request, key=_order)
@@ -310,6 +313,11 @@ class Scheduler:
         request.status = RequestStatus.PREFILLED
         self.prefilled[request.request_id] = request
 
+    def hold(self, request: Request) -> None:
+        """Stop running ``request`` and keep its blocks (``PREFILLED``) for another worker
+        to pull: a migration. Its blocks go back with ``finish(request, None)``."""
+        self._hand_off(request)
+
     def _admit(self, budget: int, chunks: list[ScheduledChunk], pulls: list[KVPull]) -> None:
         while self.waiting and self.num_seqs < self.config.max_num_seqs:
             request = self.waiting[0]
@@ -342,7 +350,8 @@ class Scheduler:
 
     def _admit_for_pull(self, request: Request, pulls: list[KVPull]) -> bool:
         prefix = self.kv.find_cached_prefix(request)
-        if not self.kv.allocate(request, request.num_prompt_tokens - prefix.num_tokens, prefix):
+        num_new = max(0, request.num_remote_tokens - prefix.num_tokens)
+        if not self.kv.allocate(request, num_new, prefix):
             return False
         self.waiting.pop(0)
         _note_admission(request)
