@@ -6,6 +6,14 @@ here, on the event loop, through the ``KVReceiver``; the pulled bytes are writte
 the blocks on the engine thread. Any failure (timeout, dead prefill worker, refused
 lease) falls back to computing the prompt locally, so the stream never breaks. The
 lease is released (or renewed while the request waits for admission) from here too.
+
+A decode worker also hands running streams to its peers (live migration): ``migrate``
+takes the sequences off the engine, which keeps their KV blocks; each stream's last
+message carries a ``handoff`` — a lease on those blocks, served by this worker's own
+``KVTransfer`` service (``HeldKV``) — and the router continues the stream on another
+decode worker, which pulls only the blocks it lacks. ``Migrate`` does it on request
+(rebalancing); ``drain`` does it to every stream on shutdown, at once when a peer is
+registered (``--drain-migrate-after``), else once ``--drain-timeout`` runs out.
 """
 
 from __future__ import annotations
@@ -14,7 +22,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from dataclasses import dataclass
 
 import grpc
@@ -28,14 +36,35 @@ from tandem.common.wire import FINISH_REASON_TO_PROTO, logprobs_to_proto, sampli
 from tandem.common.worker_load import worker_status
 from tandem.common.worker_metrics import WorkerMetrics
 from tandem.engine.async_engine import AsyncEngine
+from tandem.engine.llm_engine import Handover
 from tandem.engine.request import PrefillMode
 from tandem.engine.scheduler import KVPull
 from tandem.kvtransfer.blocks import unpack_blocks
 from tandem.kvtransfer.errors import KVPullFailed, LeaseCallFailed
+from tandem.kvtransfer.held import HeldKV
 from tandem.kvtransfer.receiver import KVReceiver
 from tandem.protos import worker_pb2, worker_pb2_grpc
 
 log = logging.getLogger(__name__)
+
+CAUSE_NAMES = {
+    worker_pb2.MIGRATION_CAUSE_DRAIN: "drain",
+    worker_pb2.MIGRATION_CAUSE_REBALANCE: "rebalance",
+    worker_pb2.MIGRATION_CAUSE_REQUESTED: "requested",
+}
+"""Metric label of each migration cause."""
+HANDOFF_WAIT_S = 10.0
+"""How long a draining worker waits, after handing its streams over, for the peers to
+pull the KV (their leases end) before it stops serving ``KVTransfer``."""
+POLL_S = 0.05
+
+
+@dataclass
+class _Live:
+    """A stream being served here."""
+
+    cause: int = worker_pb2.MIGRATION_CAUSE_UNSPECIFIED
+    """Set once the stream is being handed over."""
 
 
 @dataclass
@@ -62,14 +91,20 @@ class DecodeService(worker_pb2_grpc.DecodeWorkerServicer):
         self,
         engine: AsyncEngine,
         receiver: KVReceiver,
+        held: HeldKV,
         worker_id: str,
         pull_timeout_s: float,
         metrics: WorkerMetrics,
         kv_events: KVEventPublisher | None = None,
     ) -> None:
-        """``kv_events``: the publisher of this worker's prefix-cache events, whose
-        numbering ``ListCachedBlocks`` snapshots are stamped with."""
+        """``held``: leases on the KV of streams handed to peers. ``kv_events``: the
+        publisher of this worker's prefix-cache events, whose numbering
+        ``ListCachedBlocks`` snapshots are stamped with."""
         self.engine = engine
+        self.held = held
+        self.draining = False
+        """Set by ``drain``: new streams are refused (``UNAVAILABLE``)."""
+        self._live: dict[str, _Live] = {}
         self.metrics = metrics
         self.kv_events = kv_events
         self.receiver = receiver
@@ -115,6 +150,10 @@ class DecodeService(worker_pb2_grpc.DecodeWorkerServicer):
     ) -> AsyncIterator[worker_pb2.DecodeResponse]:
         rid = request.request_id
         self.num_requests += 1
+        if self.draining:
+            await context.abort(
+                grpc.StatusCode.UNAVAILABLE, f"decode worker {self.worker_id} is shutting down"
+            )
         try:
             params = sampling_from_proto(request.sampling)
         except ValueError as err:
@@ -139,13 +178,18 @@ class DecodeService(worker_pb2_grpc.DecodeWorkerServicer):
             priority=request.priority,
             output_token_ids=list(request.output_token_ids),
             prefill_mode=PrefillMode.REMOTE if remote else PrefillMode.LOCAL,
+            num_remote_tokens=request.kv.num_tokens if remote else 0,
         )
         first = True
         finished = None
         timer = RequestTimer(self.metrics.requests, len(request.prompt_token_ids), time.monotonic)
+        live = self._live.setdefault(rid, _Live())
         try:
             async with contextlib.aclosing(stream):
                 async for delta in stream:
+                    if delta.handover is not None:
+                        yield self._handoff(rid, delta.handover, live.cause, span)
+                        return
                     timer.tokens(len(delta.new_token_ids))
                     finished = delta.finish_reason
                     response = worker_pb2.DecodeResponse(
@@ -180,6 +224,8 @@ class DecodeService(worker_pb2_grpc.DecodeWorkerServicer):
         finally:
             timer.end(finished)
             self._forget(rid)
+            if self._live.get(rid) is live:
+                del self._live[rid]
 
     async def Abort(
         self, request: worker_pb2.AbortRequest, context: grpc.aio.ServicerContext
@@ -189,11 +235,37 @@ class DecodeService(worker_pb2_grpc.DecodeWorkerServicer):
             found=await self.engine.call(lambda e: e.abort_request(rid))
         )
 
+    async def Migrate(
+        self, request: worker_pb2.MigrateRequest, context: grpc.aio.ServicerContext
+    ) -> worker_pb2.MigrateResponse:
+        if not request.request_ids and not request.num_blocks:
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT, "name request_ids or a num_blocks to free"
+            )
+        cause = request.cause or worker_pb2.MIGRATION_CAUSE_REQUESTED
+        if cause not in CAUSE_NAMES:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"unknown cause {cause}")
+        held = await self._blocks_held()
+        if request.request_ids:
+            chosen = [rid for rid in request.request_ids if rid in self._live]
+        else:  # the fewest streams that free enough: the largest first
+            chosen, total = [], 0
+            for rid in sorted(held, key=held.__getitem__, reverse=True):
+                if total >= request.num_blocks:
+                    break
+                chosen.append(rid)
+                total += held[rid]
+        moved = await self.migrate(chosen, cause)
+        return worker_pb2.MigrateResponse(
+            request_ids=moved, num_blocks=sum(held.get(rid, 0) for rid in moved)
+        )
+
     async def GetStatus(
         self, request: worker_pb2.StatusRequest, context: grpc.aio.ServicerContext
     ) -> worker_pb2.WorkerStatus:
         status = worker_status(self.engine.load, self.worker_id, "decode", self.num_requests)
         status.kv_blocks_received = self.receiver.stats.blocks
+        status.num_leases = len(self.held)
         status.num_fallbacks = self.num_fallbacks
         return status
 
@@ -203,6 +275,79 @@ class DecodeService(worker_pb2_grpc.DecodeWorkerServicer):
         if self.kv_events is None:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "KV events are off")
         return snapshot_to_proto(await self.kv_events.snapshot_of(self.engine))
+
+    # --- handing streams over -----------------------------------------------------------
+
+    async def migrate(self, request_ids: Iterable[str], cause: int) -> list[str]:
+        """Hand these streams to peers (see the module doc); returns those now handing
+        over (streams unknown here, finished, or already moving are skipped)."""
+        chosen = [rid for rid in request_ids if rid in self._live and not self._live[rid].cause]
+        for rid in chosen:
+            self._live[rid].cause = cause
+        moved = await self.engine.migrate_out(chosen) if chosen else {}
+        for rid in chosen:
+            if rid not in moved and rid in self._live:
+                self._live[rid].cause = worker_pb2.MIGRATION_CAUSE_UNSPECIFIED
+        return [rid for rid in chosen if rid in moved]
+
+    async def drain(
+        self, drain_s: float, migrate_after_s: float, count_peers: Callable[[], Awaitable[int]]
+    ) -> None:
+        """Shut down without losing or changing a stream: refuse new ones, let those in
+        flight finish for ``migrate_after_s`` when a peer decode worker is registered
+        (else for ``drain_s``), hand the rest over with their KV, and wait (up to
+        ``HANDOFF_WAIT_S``) for the peers to pull it."""
+        self.draining = True
+        if not self._live:
+            return
+        wait_s = drain_s
+        if migrate_after_s < drain_s and await count_peers() > 0:
+            wait_s = migrate_after_s
+        log.info(
+            "draining: %d streams; up to %.1f s for them to finish here", len(self._live), wait_s
+        )
+        await _until(lambda: not self._live, wait_s)
+        if self._live:
+            moved = await self.migrate(list(self._live), worker_pb2.MIGRATION_CAUSE_DRAIN)
+            log.info("draining: handing %d streams to other decode workers", len(moved))
+        await _until(lambda: not self._live and not len(self.held), HANDOFF_WAIT_S)
+        if self._live or len(self.held):
+            log.warning(
+                "draining: %d streams and %d handed-over KV leases still open after %.0f s",
+                len(self._live),
+                len(self.held),
+                HANDOFF_WAIT_S,
+            )
+
+    def _handoff(
+        self, rid: str, handover: Handover, cause: int, span: tracing.AnySpan
+    ) -> worker_pb2.DecodeResponse:
+        """The last message of a stream handed over: its cause and the lease on its KV."""
+        cause = cause or worker_pb2.MIGRATION_CAUSE_REQUESTED
+        response = worker_pb2.DecodeResponse(migration_cause=cause)
+        if handover.block_ids:
+            response.handoff.CopyFrom(self.held.grant(rid, handover.block_ids, handover.num_tokens))
+        self.metrics.labelled(self.metrics.migrations_out, cause=CAUSE_NAMES[cause]).inc()
+        if span.recording:
+            span.add_event(
+                "handed over",
+                {"tandem.cause": CAUSE_NAMES[cause], "tandem.kv_tokens": handover.num_tokens},
+            )
+        return response
+
+    async def _blocks_held(self) -> dict[str, int]:
+        """KV blocks each running stream holds here."""
+        live = list(self._live)
+
+        def read(engine) -> dict[str, int]:
+            held = {}
+            for rid in live:
+                request = engine.requests.get(rid)
+                if request is not None:
+                    held[rid] = engine.kv_cache.num_blocks_held(request)
+            return held
+
+        return await self.engine.call(read)
 
     # --- the pull ----------------------------------------------------------------------
 
@@ -292,3 +437,10 @@ class DecodeService(worker_pb2_grpc.DecodeWorkerServicer):
             pending.renewer.cancel()
             if not pending.started:
                 self._release_later(pending.handle)
+
+
+async def _until(done: Callable[[], bool], timeout_s: float) -> None:
+    """Wait until ``done()`` or ``timeout_s`` passes (polled: the conditions are cheap)."""
+    deadline = time.monotonic() + timeout_s
+    while not done() and time.monotonic() < deadline:
+        await asyncio.sleep(POLL_S)

@@ -6,16 +6,13 @@ import asyncio
 
 from tandem.common.engine_startup import load_engine
 from tandem.common.kv_events.publisher import KVEventPublisher
-from tandem.common.metrics import Sample
 from tandem.common.registry import WorkerCapacity, WorkerInfo, WorkerRole
 from tandem.common.worker_host import WorkerOptions, exit_for_restart, host_worker
 from tandem.common.worker_load import BusyMeter, worker_load
 from tandem.common.worker_metrics import WorkerMetrics
 from tandem.engine.async_engine import AsyncEngine
-from tandem.kvtransfer.leases import LeaseTable
-from tandem.kvtransfer.ranks import RankedSender, transfer_layout
-from tandem.kvtransfer.sender import KVSender
-from tandem.kvtransfer.service import KVTransferServicer
+from tandem.kvtransfer.held import serve_held_kv
+from tandem.kvtransfer.ranks import transfer_layout
 from tandem.prefill_worker.service import PrefillService
 from tandem.protos import kv_transfer_pb2, kv_transfer_pb2_grpc, worker_pb2, worker_pb2_grpc
 
@@ -33,32 +30,10 @@ async def run(options: WorkerOptions, stop: asyncio.Event | None = None) -> None
     async_engine.start()
     tp_size = engine.config.tensor_parallel_size
     layout = transfer_layout(options.model_name, engine.runner.layout, tp_size)
-    sender = KVSender(
-        layout,
-        engine.runner.kv_caches,
-        options.public_host,
-        options.kv_store_port,
-        options.worker_id,
-    )
-    if engine.rank_control is not None:  # rank i of the decode replica pulls from rank i
-        sender = RankedSender(sender, engine.rank_control)
-    leases = LeaseTable()
     metrics = WorkerMetrics(options.model_name, "prefill", lambda: async_engine.load)
-    metrics.report(
-        lambda: iter(
-            [Sample("kv_leases_active", "gauge", "prefilled KV held for a pull", len(leases))]
-        )
-    )
-    service = PrefillService(
-        async_engine, leases, sender, options.worker_id, options.lease_ttl_s, metrics, kv_events
-    )
-
-    def sent(blocks: int, nbytes: int, seconds: float) -> None:
-        metrics.kv_sent_blocks.inc(blocks)
-        metrics.kv_sent_bytes.inc(nbytes)
-        metrics.kv_send_seconds.observe(seconds)
-
-    kv_service = KVTransferServicer(sender, leases, service.lease_ended, on_sent=sent)
+    side = serve_held_kv(async_engine, layout, options, metrics)
+    held, sender, kv_service = side.held, side.sender, side.servicer
+    service = PrefillService(async_engine, held, sender, options.worker_id, metrics, kv_events)
     capacity = WorkerCapacity(
         engine.num_kv_blocks,
         engine.runtime.block_size,
@@ -67,12 +42,12 @@ async def run(options: WorkerOptions, stop: asyncio.Event | None = None) -> None
     )
 
     def make_info(address: str) -> WorkerInfo:
-        service.kv_endpoint = address
+        held.kv_endpoint = address
         return WorkerInfo(
             options.worker_id, WorkerRole.PREFILL, address, options.model_name, capacity, address
         )
 
-    sweeper = asyncio.create_task(service.sweep_expired_leases())
+    sweeper = asyncio.create_task(held.sweep())
     busy = BusyMeter()
     try:
         await host_worker(

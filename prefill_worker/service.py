@@ -9,7 +9,6 @@ by a pull ends when that pull finishes (``LeaseTable`` pins), never under it.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import logging
 import time
@@ -27,40 +26,33 @@ from tandem.common.worker_metrics import WorkerMetrics
 from tandem.engine.async_engine import AsyncEngine
 from tandem.engine.outputs import RequestDelta
 from tandem.engine.request import PrefillMode
-from tandem.kvtransfer.leases import EndedLease, LeaseTable
+from tandem.kvtransfer.held import HeldKV
 from tandem.kvtransfer.sender import KVSender
 from tandem.protos import worker_pb2, worker_pb2_grpc
 
 log = logging.getLogger(__name__)
-
-LEASE_SWEEP_INTERVAL_S = 0.5
 
 
 class PrefillService(worker_pb2_grpc.PrefillWorkerServicer):
     def __init__(
         self,
         engine: AsyncEngine,
-        leases: LeaseTable,
+        held: HeldKV,
         sender: KVSender,
         worker_id: str,
-        lease_ttl_s: float,
         metrics: WorkerMetrics,
         kv_events: KVEventPublisher | None = None,
     ) -> None:
-        """``kv_events``: the publisher of this worker's prefix-cache events, whose
-        numbering ``ListCachedBlocks`` snapshots are stamped with."""
+        """``held``: the leases on prefilled KV. ``kv_events``: the publisher of this
+        worker's prefix-cache events, whose numbering ``ListCachedBlocks`` snapshots are
+        stamped with."""
         self.engine = engine
         self.metrics = metrics
         self.kv_events = kv_events
-        self.leases = leases
+        self.held = held
         self.sender = sender
         self.worker_id = worker_id
-        self.lease_ttl_s = lease_ttl_s
-        self.kv_endpoint = ""
-        """This worker's own address (set once the server is bound)."""
         self.num_requests = 0
-        self._lease_of: dict[str, str] = {}
-        self._background: set[asyncio.Task[None]] = set()
 
     async def Prefill(
         self, request: worker_pb2.PrefillRequest, context: grpc.aio.ServicerContext
@@ -113,12 +105,8 @@ class PrefillService(worker_pb2_grpc.PrefillWorkerServicer):
         self, request: worker_pb2.AbortRequest, context: grpc.aio.ServicerContext
     ) -> worker_pb2.AbortResponse:
         rid = request.request_id
-        lease_id = self._lease_of.get(rid)
-        if lease_id is not None:  # prefilled: end the lease (a pull in progress finishes first)
-            release = self.leases.release(lease_id)
-            if release.ended is not None:
-                self.lease_ended(release.ended)
-            return worker_pb2.AbortResponse(found=release.found)
+        if self.held.holds(rid):  # prefilled: end the lease (a pull in progress finishes first)
+            return worker_pb2.AbortResponse(found=self.held.abort(rid))
         return worker_pb2.AbortResponse(
             found=await self.engine.call(lambda e: e.abort_request(rid))
         )
@@ -127,7 +115,7 @@ class PrefillService(worker_pb2_grpc.PrefillWorkerServicer):
         self, request: worker_pb2.StatusRequest, context: grpc.aio.ServicerContext
     ) -> worker_pb2.WorkerStatus:
         status = worker_status(self.engine.load, self.worker_id, "prefill", self.num_requests)
-        status.num_leases = len(self.leases)
+        status.num_leases = len(self.held)
         status.kv_blocks_sent = getattr(self.sender, "sender", self.sender).blocks_sent
         return status
 
@@ -137,23 +125,6 @@ class PrefillService(worker_pb2_grpc.PrefillWorkerServicer):
         if self.kv_events is None:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "KV events are off")
         return snapshot_to_proto(await self.kv_events.snapshot_of(self.engine))
-
-    def lease_ended(self, lease: EndedLease) -> None:
-        """Hand a lease's blocks back to the engine (on the event loop; never blocks)."""
-        self._lease_of.pop(lease.request_id, None)
-        rid = lease.request_id
-        task = asyncio.ensure_future(self.engine.call(lambda e: e.release_prefilled(rid)))
-        self._background.add(task)
-        task.add_done_callback(self._background.discard)
-
-    async def sweep_expired_leases(self) -> None:
-        """Background task: free the KV of leases nobody pulled in time."""
-        while True:
-            await asyncio.sleep(LEASE_SWEEP_INTERVAL_S)
-            for lease in self.leases.expired():
-                log.warning("lease of %s expired unpulled", lease.request_id)
-                self.metrics.leases_expired.inc()
-                self.lease_ended(lease)
 
     async def _first_delta(
         self, request: worker_pb2.PrefillRequest, params: SamplingParams
@@ -173,13 +144,4 @@ class PrefillService(worker_pb2_grpc.PrefillWorkerServicer):
     async def _lease(self, request: worker_pb2.PrefillRequest) -> worker_pb2.KVHandle:
         rid = request.request_id
         block_ids = await self.engine.call(lambda e: e.prefilled_block_ids(rid))
-        lease_id = self.leases.grant(rid, block_ids, self.lease_ttl_s)
-        self._lease_of[rid] = lease_id
-        return worker_pb2.KVHandle(
-            prefill_worker_id=self.worker_id,
-            kv_endpoint=self.kv_endpoint,
-            lease_id=lease_id,
-            num_tokens=len(request.prompt_token_ids),
-            num_blocks=len(block_ids),
-            lease_ttl_s=self.lease_ttl_s,
-        )
+        return self.held.grant(rid, block_ids, len(request.prompt_token_ids))

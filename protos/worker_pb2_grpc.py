@@ -258,6 +258,11 @@ class DecodeWorkerStub:
                 request_serializer=tandem_dot_protos_dot_worker__pb2.ListCachedBlocksRequest.SerializeToString,
                 response_deserializer=tandem_dot_protos_dot_worker__pb2.CachedBlocks.FromString,
                 _registered_method=True)
+        self.Migrate = channel.unary_unary(
+                '/tandem.v1.DecodeWorker/Migrate',
+                request_serializer=tandem_dot_protos_dot_worker__pb2.MigrateRequest.SerializeToString,
+                response_deserializer=tandem_dot_protos_dot_worker__pb2.MigrateResponse.FromString,
+                _registered_method=True)
 
 
 class DecodeWorkerServicer:
@@ -289,6 +294,16 @@ class DecodeWorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Migrate(self, request, context):
+        """Hand running streams to other decode workers with their KV: each chosen stream
+        ends with a message carrying `handoff` (see DecodeResponse), the KV stays leased
+        here for the next worker's pull. Used for load rebalancing; a draining worker does
+        the same to every stream it still runs.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_DecodeWorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -311,6 +326,11 @@ def add_DecodeWorkerServicer_to_server(servicer, server):
                     servicer.ListCachedBlocks,
                     request_deserializer=tandem_dot_protos_dot_worker__pb2.ListCachedBlocksRequest.FromString,
                     response_serializer=tandem_dot_protos_dot_worker__pb2.CachedBlocks.SerializeToString,
+            ),
+            'Migrate': grpc.unary_unary_rpc_method_handler(
+                    servicer.Migrate,
+                    request_deserializer=tandem_dot_protos_dot_worker__pb2.MigrateRequest.FromString,
+                    response_serializer=tandem_dot_protos_dot_worker__pb2.MigrateResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -421,6 +441,33 @@ class DecodeWorker:
             '/tandem.v1.DecodeWorker/ListCachedBlocks',
             tandem_dot_protos_dot_worker__pb2.ListCachedBlocksRequest.SerializeToString,
             tandem_dot_protos_dot_worker__pb2.CachedBlocks.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Migrate(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tandem.v1.DecodeWorker/Migrate',
+            tandem_dot_protos_dot_worker__pb2.MigrateRequest.SerializeToString,
+            tandem_dot_protos_dot_worker__pb2.MigrateResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -23,6 +23,7 @@ from tandem.router.metrics import RouterMetrics
 from tandem.router.orchestrator import Orchestrator, OrchestratorConfig
 from tandem.router.rate_limit import RateLimit, RateLimiter
 from tandem.router.readiness import ReadinessRule, ReadinessTracker
+from tandem.router.rebalance import RebalanceConfig, Rebalancer
 from tandem.router.routing.inflight import InflightLoad
 from tandem.router.routing.policy import PolicyName, make_policy
 from tandem.router.routing.prefix_aware import PrefixCost
@@ -84,6 +85,9 @@ class RouterOptions:
     """A chat template replacing the checkpoint's: a file's path or the template itself."""
     tool_call_parser: str | None = None
     """How ``tool_choice: auto`` finds calls in the output (``None``: auto is refused)."""
+    rebalance: RebalanceConfig = RebalanceConfig()
+    """Moving streams off a decode worker whose KV pool is fuller than its peers' (off by
+    default: ``interval_s`` 0)."""
 
 
 @dataclass
@@ -251,12 +255,21 @@ async def run(
                 None if http is None else http.port,
             )
         )
+    rebalancer = None
+    if options.rebalance.enabled:
+        rebalancer = Rebalancer(watcher, clients, options.rebalance)
+        task = asyncio.create_task(rebalancer.run(), name="rebalance")
+        background.add(task)
+        task.add_done_callback(background.discard)
     print(f"READY router {options.host}:{server.port}", flush=True)
     try:
         await stop.wait()
         if whole_process:
             arm_exit_watchdog(options.drain_timeout_s + SHUTDOWN_GRACE_S)
     finally:
+        for task in list(background):
+            if task.get_name() == "rebalance":
+                task.cancel()
         log.info("draining: up to %.0f s for the streams in flight", options.drain_timeout_s)
         http_stopped = http.stop() if http is not None else asyncio.sleep(0)
         await asyncio.gather(server.stop(options.drain_timeout_s), http_stopped)

@@ -32,6 +32,16 @@ DECISION_BUCKETS_S = (25e-6, 50e-6, 100e-6, 250e-6, 500e-6, 1e-3, 2.5e-3, 5e-3, 
 LAG_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 5.0)
 
 
+MIGRATION_SERIES = {
+    "failure": ("recompute",),
+    "stall": ("recompute",),
+    "drain": ("kv", "recompute"),
+    "rebalance": ("kv", "recompute"),
+    "requested": ("kv", "recompute"),
+}
+"""``router_decode_migrations_total``'s label pairs: a failed worker hands nothing over."""
+
+
 class RouterMetrics(ComponentMetrics):
     def __init__(self, model_name: str = "") -> None:
         super().__init__(model_name, "router")
@@ -68,10 +78,16 @@ class RouterMetrics(ComponentMetrics):
         self.prefill_retries = self.counter(
             "router_prefill_retries", "prefills that failed on a worker and were tried on another"
         )
-        self.decode_migrations = self.counter(
+        self._migrations = self.counter(
             "router_decode_migrations",
-            "decode streams whose worker failed or stalled (each goes on elsewhere if it can)",
+            "decode streams moved to another decode worker, by cause (failure, stall: the "
+            "worker failed; drain, rebalance, requested: it handed the stream over) and by "
+            "what the next worker got (kv: the KV to pull; recompute: the tokens alone)",
+            ("cause", "mode"),
         )
+        for cause, modes in MIGRATION_SERIES.items():  # exported at 0 from the start
+            for mode in modes:
+                self.labelled(self._migrations, cause=cause, mode=mode)
         self.decode_stalls = self.counter(
             "router_decode_stalls", "of those, streams moved because they stalled"
         )
@@ -105,6 +121,11 @@ class RouterMetrics(ComponentMetrics):
 
     def failed(self, code: str) -> None:
         self.labelled(self._errors, code=code).inc()
+
+    def migrated(self, cause: str, with_kv: bool) -> None:
+        """A decode stream moved on (``cause``: failure, stall, drain, rebalance,
+        requested), its KV moving with it or not."""
+        self.labelled(self._migrations, cause=cause, mode="kv" if with_kv else "recompute").inc()
 
     def decided(self, seconds: float, pool: WorkerRole, policy: str, matched_blocks: int) -> None:
         self.decision_seconds.observe(seconds)

@@ -8,7 +8,9 @@
 2. A decode worker continues from the first token, pulling the prompt's KV from the
    prefill worker named in the handle. If it fails mid-stream, the next decode worker
    gets the prompt plus every token produced so far (no handle: it recomputes them)
-   and the stream continues unbroken.
+   and the stream continues unbroken. A decode worker may also hand the stream over
+   (it drains, or rebalances): its last message names its KV, and the next worker gets
+   the tokens with that handle, pulling the KV instead of recomputing it.
 3. Whatever ends the request early — client cancel, deadline, a stop string — closes
    the worker streams, which aborts the request on the workers and frees its blocks;
    a lease that no decode worker took is released with ``Abort`` on its prefill worker.
@@ -28,6 +30,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import itertools
 import logging
 import time
 from collections.abc import AsyncIterator, Sequence
@@ -72,6 +75,15 @@ def worker_failed(err: BaseException) -> bool:
         return err.code() in RETRYABLE
     task = asyncio.current_task()
     return isinstance(err, asyncio.CancelledError) and task is not None and not task.cancelling()
+
+
+MIGRATION_CAUSES = {
+    worker_pb2.MIGRATION_CAUSE_DRAIN: "drain",
+    worker_pb2.MIGRATION_CAUSE_REBALANCE: "rebalance",
+    worker_pb2.MIGRATION_CAUSE_REQUESTED: "requested",
+}
+MAX_HANDOVERS = 32
+"""Hand-overs one stream may go through (each is a worker's choice, not a failure)."""
 
 
 class NoWorkerAvailable(Exception):
@@ -275,15 +287,26 @@ class Orchestrator:
         trace: RequestTrace,
         deadline: float | None,
     ) -> AsyncIterator[TokenChunk]:
-        tried: set[str] = set()
-        last: str | None = None
-        for attempt in range(self.config.max_decode_attempts):
-            # An untried worker first; once every one was tried, one still registered may
-            # take the stream again (a stream can fail while its worker is fine), another
-            # than the one just left if possible. Suspects only when nothing else is left.
+        tried: set[str] = set()  # workers a stream failed or stalled on
+        last: str | None = None  # the worker the stream just left, for any reason
+        failures = handovers = 0
+        for attempt in itertools.count():
+            if failures >= self.config.max_decode_attempts or handovers > MAX_HANDOVERS:
+                break
+            # An untried worker first, never the one just left while another can take
+            # it; once every one was tried, one still registered may take the stream
+            # again (a stream can fail while its worker is fine), another than the one
+            # just left if possible. Suspects only when nothing else is left.
             suspects = self.suspects.current()
             just_left = {last} if last is not None else tried
-            excludes = (tried | suspects, just_left | suspects, suspects, tried, just_left, set())
+            excludes = (
+                tried | just_left | suspects,
+                just_left | suspects,
+                suspects,
+                tried,
+                just_left,
+                set(),
+            )
             pick = self._pick_first(
                 WorkerRole.DECODE, self.decode_policy, routing, excludes, trace.span
             )
@@ -307,8 +330,12 @@ class Orchestrator:
                 message, timeout=_remaining(deadline), metadata=tracing.metadata(span)
             )
             why: str | None = None  # None: finished, or closed by the caller (its choice)
+            moved: worker_pb2.DecodeResponse | None = None  # the worker's hand-over message
             try:
                 async for response in _within_bounds(call, StreamClock(self.config.stall)):
+                    if response.migration_cause:
+                        moved = response
+                        break
                     self._note_kv(response, trace, span)
                     produced.extend(response.token_ids)
                     finish = FINISH_REASON_FROM_PROTO[response.finish_reason]
@@ -318,10 +345,11 @@ class Orchestrator:
                     yield TokenChunk(tuple(response.token_ids), tuple(response.logprobs), finish)
                     if finish is not None:
                         return
-                why = "the stream ended without a finish reason"
-                log.warning(
-                    "decode stream on %s: %s; continuing elsewhere", worker.info.worker_id, why
-                )
+                else:
+                    why = "the stream ended without a finish reason"
+                    log.warning(
+                        "decode stream on %s: %s; continuing elsewhere", worker.info.worker_id, why
+                    )
             except StreamStalled as err:
                 why = f"stalled: {err}"
                 log.warning(
@@ -343,14 +371,26 @@ class Orchestrator:
                 call.cancel()
                 self.pools.end(ticket)
                 _end_call_span(span, why, len(produced))
+            last = worker.info.worker_id
+            if moved is not None:  # handed over: the next worker pulls the KV it names
+                handovers += 1
+                handle = moved.handoff if moved.HasField("handoff") else None
+                cause = MIGRATION_CAUSES.get(moved.migration_cause, "requested")
+            else:  # failed: the next worker recomputes prompt + produced tokens itself
+                failures += 1
+                tried.add(worker.info.worker_id)
+                handle = None
+                cause = "stall" if why is not None and why.startswith("stalled") else "failure"
             trace.span.add_event(
                 "decode migration",
-                {"tandem.from_worker": worker.info.worker_id, "tandem.reason": why},
+                {
+                    "tandem.from_worker": worker.info.worker_id,
+                    "tandem.reason": why or cause,
+                    "tandem.cause": cause,
+                    "tandem.with_kv": handle is not None,
+                },
             )
-            tried.add(worker.info.worker_id)
-            last = worker.info.worker_id
-            self.metrics.decode_migrations.inc()
-            handle = None  # the next worker recomputes prompt + produced tokens itself
+            self.metrics.migrated(cause, handle is not None)
         log.warning(
             "request %s: no decode worker left to try (tried %s)",
             request.request_id,

@@ -80,11 +80,17 @@ def test_each_role_takes_only_its_own_flags(capsys: pytest.CaptureFixture[str]) 
     err = _parse_error(["prefill-worker", *SERVER, *decode_only], capsys)
     assert err.startswith("usage: tandem prefill-worker")  # the subcommand's own usage
     assert "unrecognized arguments: --speculative-method ngram --kv-pull-timeout 3" in err
-    assert "--lease-ttl" in _parse_error(["decode-worker", *SERVER, "--lease-ttl", "5"], capsys)
+    err = _parse_error(["prefill-worker", *SERVER, "--drain-migrate-after", "1"], capsys)
+    assert "unrecognized arguments: --drain-migrate-after 1" in err
     assert "--num-kv-blocks" in _parse_error(["router", *SERVER, "--num-kv-blocks", "8"], capsys)
     prefill = build_parser().parse_args(["prefill-worker", *SERVER, "--lease-ttl", "5"])
     decode = build_parser().parse_args(["decode-worker", *SERVER, *decode_only])
     assert (prefill.lease_ttl, decode.kv_pull_timeout) == (5.0, 3.0)
+    # Both hold KV for others to pull: a prefill its prompts, a decode its hand-overs.
+    decode = build_parser().parse_args(
+        ["decode-worker", *SERVER, "--lease-ttl", "5", "--drain-migrate-after", "2"]
+    )
+    assert (decode.lease_ttl, decode.drain_migrate_after) == (5.0, 2.0)
 
 
 def test_bad_enumerated_values_are_refused_by_name(capsys: pytest.CaptureFixture[str]) -> None:

@@ -329,7 +329,9 @@ def test_pods_are_locked_down_and_drain(tmp_path: Path) -> None:
     for name, deployment in by_kind(docs, "Deployment").items():
         pod = deployment["spec"]["template"]["spec"]
         (container,) = pod["containers"]
-        assert pod["terminationGracePeriodSeconds"] == 25 + 5 + 5
+        # drain + preStop + 5 to exit; a worker also waits up to 10 s for hand-over pulls
+        extra = 5 if name.endswith("-router") else 15
+        assert pod["terminationGracePeriodSeconds"] == 25 + 5 + extra
         assert container["lifecycle"]["preStop"]["exec"]["command"] == ["sleep", "5"]
         # Probes ask the component's own gRPC health: a stuck engine turns it NOT_SERVING.
         assert container["readinessProbe"]["grpc"] == {"port": 8081, "service": ""}

@@ -53,10 +53,12 @@ def test_serve_refuses_settings_that_cannot_work_before_starting_anything(model_
 
 
 def test_serve_checks_pass_through_flags_with_the_components_parser(model_dir) -> None:
-    result = _tandem("serve", "--model", str(model_dir), "--decode-worker-arg=--lease-ttl=5")
+    result = _tandem(
+        "serve", "--model", str(model_dir), "--prefill-worker-arg=--drain-migrate-after=5"
+    )
     assert result.returncode == 2
-    assert result.stderr.startswith("usage: tandem decode-worker")
-    assert "unrecognized arguments: --lease-ttl=5" in result.stderr
+    assert result.stderr.startswith("usage: tandem prefill-worker")
+    assert "unrecognized arguments: --drain-migrate-after=5" in result.stderr
 
 
 def test_a_worker_with_a_bad_setting_says_so_in_one_line(model_dir, redis_url) -> None:

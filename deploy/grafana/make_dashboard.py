@@ -117,13 +117,18 @@ ROWS: tuple[tuple[str, tuple[Panel, ...]], ...] = (
                 "share of the prompt tokens sent to prefill workers that they did not compute",
             ),
             Panel(
-                "Fail-over / s",
+                "Decode streams moved / s",
                 (
-                    (rate("router_decode_migrations_total"), "decode migrations"),
-                    (rate("router_decode_stalls_total"), "of which stalls"),
+                    (
+                        rate("router_decode_migrations_total", "", "cause, mode"),
+                        "{{cause}} ({{mode}})",
+                    ),
                     (rate("router_prefill_retries_total"), "prefill retries"),
                 ),
                 "ops",
+                "streams moved to another decode worker, by cause: failure and stall "
+                "(recomputed there), drain, rebalance and requested (handed over: kv when "
+                "the KV moved with the stream)",
             ),
             Panel(
                 "Requests in flight",

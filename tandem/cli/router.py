@@ -75,6 +75,35 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         help="a decode stream silent for max(this, 20 x its mean time per token), or 3x "
         "this before its first token, moves to another decode worker",
     )
+    rebalance = router.add_argument_group(
+        "rebalancing",
+        "Move running streams, with their KV, off a decode worker whose KV pool is fuller "
+        "than its peers' (live migration; docs/routing.md#rebalancing).",
+    )
+    rebalance.add_argument(
+        "--rebalance-interval",
+        type=float,
+        default=0.0,
+        help="seconds between comparisons of the decode workers' KV usage (default: 0, off)",
+    )
+    rebalance.add_argument(
+        "--rebalance-gap",
+        type=float,
+        default=0.25,
+        help="usage difference, fullest minus emptiest, that moves streams (default: 0.25)",
+    )
+    rebalance.add_argument(
+        "--rebalance-min-usage",
+        type=float,
+        default=0.5,
+        help="the fullest worker's usage must also reach this (default: 0.5)",
+    )
+    rebalance.add_argument(
+        "--rebalance-cooldown",
+        type=float,
+        default=10.0,
+        help="seconds before a worker that gave or took streams gives again (default: 10)",
+    )
     keys = router.add_argument_group(
         "API keys",
         "With any key given, calls to tandem.v1.Generation need metadata "
@@ -278,6 +307,7 @@ def router_options(args: argparse.Namespace) -> RouterOptions:
     from tandem.router.auth import ApiKeys
     from tandem.router.main import RouterOptions
     from tandem.router.readiness import ReadinessRule
+    from tandem.router.rebalance import RebalanceConfig
     from tandem.router.routing.policy import PolicyName
     from tandem.router.stall import StallPolicy
 
@@ -292,6 +322,12 @@ def router_options(args: argparse.Namespace) -> RouterOptions:
         tls = _tls(args)
         mtls = internal_tls(args)
         rate_limit = _rate_limit(args)
+        rebalance = RebalanceConfig(
+            args.rebalance_interval,
+            args.rebalance_gap,
+            args.rebalance_min_usage,
+            args.rebalance_cooldown,
+        )
         if rate_limit is not None and api_keys is None:
             args.parser.error("--rate-limit is per API key: give keys too (--api-key-file ...)")
     except ValueError as err:
@@ -323,4 +359,5 @@ def router_options(args: argparse.Namespace) -> RouterOptions:
         drain_timeout_s=args.drain_timeout,
         chat_template=args.chat_template,
         tool_call_parser=tool_call_parser(args),
+        rebalance=rebalance,
     )

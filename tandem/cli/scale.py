@@ -1,7 +1,7 @@
 """``tandem scale``: set how many prefill or decode replicas a cluster on Ray runs.
 
 For clusters started by ``tandem serve --ray``. New replicas serve before it returns; retired ones
-drain first: they leave the registry, finish their streams (or hand them to a peer)
+drain first: they leave the registry, hand their streams to a peer with their KV,
 and only then are removed, so no request is lost."""
 
 from __future__ import annotations

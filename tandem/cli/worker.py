@@ -188,25 +188,38 @@ ROLE_ENGINE_FLAGS: dict[str, tuple[EngineFlag, ...]] = {
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     prefill = _add_worker(subparsers, "prefill")
-    prefill.add_argument(
-        "--lease-ttl",
-        type=float,
-        default=30.0,
-        help="seconds a prefilled request's KV waits to be pulled before it is freed",
-    )
-    prefill.add_argument(
-        "--kv-store-port",
-        type=int,
-        default=0,
-        help="TCP port of the torch.distributed store decode workers rendezvous at to pull "
-        "KV (0: a free port); plaintext, see docs/reliability.md#trust-boundary",
-    )
     decode = _add_worker(subparsers, "decode")
+    for worker, held in (
+        (prefill, "a prefilled request's KV"),
+        (decode, "a handed-over stream's KV"),
+    ):
+        worker.add_argument(
+            "--lease-ttl",
+            type=float,
+            default=30.0,
+            help=f"seconds {held} waits to be pulled before it is freed",
+        )
+        worker.add_argument(
+            "--kv-store-port",
+            type=int,
+            default=0,
+            help="TCP port of the torch.distributed store decode workers rendezvous at to "
+            "pull KV from this one (0: a free port); plaintext, see "
+            "docs/reliability.md#trust-boundary",
+        )
     decode.add_argument(
         "--kv-pull-timeout",
         type=float,
         default=10.0,
         help="seconds a KV pull may take before the worker prefills the prompt itself",
+    )
+    decode.add_argument(
+        "--drain-migrate-after",
+        type=float,
+        default=0.0,
+        help="on SIGTERM, seconds streams may still run here before they are handed to "
+        "another decode worker with their KV, when one is registered (without one, they "
+        "run for --drain-timeout, then move) (default: 0, hand over at once)",
     )
 
 
@@ -298,11 +311,13 @@ def worker_options(args: argparse.Namespace) -> WorkerOptions:
     except ValueError as err:
         raise SystemExit(f"error: {err}") from err
     prefill = args.role == "prefill"
-    role_options = (
-        {"lease_ttl_s": args.lease_ttl, "kv_store_port": args.kv_store_port}
-        if prefill
-        else {"kv_pull_timeout_s": args.kv_pull_timeout}
-    )
+    role_options: dict[str, float] = {
+        "lease_ttl_s": args.lease_ttl,
+        "kv_store_port": args.kv_store_port,
+    }
+    if not prefill:
+        role_options["kv_pull_timeout_s"] = args.kv_pull_timeout
+        role_options["drain_migrate_after_s"] = args.drain_migrate_after
     return WorkerOptions(
         role=WorkerRole(args.role),
         model_dir=args.model,

@@ -13,7 +13,7 @@ import asyncio
 import contextlib
 import logging
 import os
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from tandem.common.grpc_server import AddServicer, RunningServer, start_server
@@ -34,6 +34,10 @@ log = logging.getLogger(__name__)
 
 DEFAULT_DRAIN_TIMEOUT_S = 25.0
 """Fits Kubernetes' default 30 s termination grace period with room to exit."""
+HANDOFF_GRACE_S = 10.0
+"""Beyond the drain, the time a worker's own drain may take to hand its work over."""
+AFTER_DRAIN_GRACE_S = 2.0
+"""The grace the server gives the calls left after a worker's own drain."""
 
 
 @dataclass(frozen=True)
@@ -53,12 +57,16 @@ class WorkerOptions:
     """``EngineConfig`` fields other than the model directory."""
     lease_ttl_s: float = 30.0
     kv_store_port: int = 0
-    """Prefill: the KV rendezvous store's TCP port (0: a free one)."""
+    """The KV rendezvous store's TCP port (0: a free one): a prefill worker's, and a
+    decode worker's for the streams it hands over."""
     kv_pull_timeout_s: float = 10.0
     registry_ttl_s: float = DEFAULT_TTL_S
     heartbeat_interval_s: float = DEFAULT_HEARTBEAT_INTERVAL_S
     drain_timeout_s: float = DEFAULT_DRAIN_TIMEOUT_S
     """On SIGTERM: how long in-flight calls may still run after deregistering."""
+    drain_migrate_after_s: float = 0.0
+    """Decode: on SIGTERM with a peer decode worker registered, how long streams may
+    still run here before they are handed over with their KV."""
     engine_stall_timeout_s: float = 30.0
     """An engine loop that has not advanced for this long makes the worker not ready."""
     tls: InternalTLS | None = None
@@ -95,12 +103,16 @@ async def host_worker(
     stop: asyncio.Event | None = None,
     engine_stalled_s: Callable[[], float] | None = None,
     metrics: ComponentMetrics | None = None,
+    drain: Callable[[], Awaitable[None]] | None = None,
 ) -> None:
     """Serve until ``stop`` is set or SIGINT/SIGTERM arrives. ``make_info(address)``
     builds the registry entry once the bound address is known. ``engine_stalled_s``:
     how long the worker's engine loop has not advanced (``AsyncEngine.stalled_for_s``);
     past ``options.engine_stall_timeout_s`` the worker is not ready (see ``_membership``).
-    ``metrics`` are served on ``options.metrics_port`` when it is set."""
+    ``metrics`` are served on ``options.metrics_port`` when it is set. ``drain``: the
+    worker's own drain (a decode worker hands its streams over), run once it has left
+    the registry and before the server stops; it takes the place of the grace period
+    the server would give the calls in flight."""
     whole_process = stop is None  # run by a command, not embedded in another program
     stop = stop or stop_on_signals()
     server = await start_server(
@@ -135,10 +147,10 @@ async def host_worker(
         print(f"READY {info.role.value} {info.worker_id} {address}", flush=True)
         await stop.wait()
         if whole_process:
-            arm_exit_watchdog(options.drain_timeout_s + SHUTDOWN_GRACE_S)
+            arm_exit_watchdog(options.drain_timeout_s + HANDOFF_GRACE_S + SHUTDOWN_GRACE_S)
         heartbeats.cancel()
     finally:
-        await _leave(registration, server, options.drain_timeout_s)
+        await _leave(registration, server, options.drain_timeout_s, drain)
         if metrics_server is not None:
             await asyncio.to_thread(metrics_server.close)
 
@@ -176,13 +188,26 @@ async def _membership(
         await asyncio.sleep(options.heartbeat_interval_s)
 
 
-async def _leave(registration: WorkerRegistration, server: RunningServer, drain_s: float) -> None:
+async def _leave(
+    registration: WorkerRegistration,
+    server: RunningServer,
+    drain_s: float,
+    drain: Callable[[], Awaitable[None]] | None,
+) -> None:
     """Drain: leave the registry first (routers stop sending work here), refuse new calls,
     let the calls in flight finish within ``drain_s``, then cancel what is left (the
-    router moves a cancelled stream to another worker)."""
+    router moves a cancelled stream to another worker). With the worker's own ``drain``,
+    the server keeps serving (what it refuses is the worker's to say) until that ends."""
     with contextlib.suppress(Exception):
         await registration.deregister()
     with contextlib.suppress(Exception):
         await registration.aclose()
+    if drain is not None:
+        await server.set_serving(False)
+        try:
+            await drain()
+        except Exception:
+            log.exception("the worker's drain failed; stopping now")
+        drain_s = AFTER_DRAIN_GRACE_S
     log.info("draining: up to %.0f s for the calls in flight", drain_s)
     await server.stop(drain_s)

@@ -53,8 +53,16 @@ class WorkerMetrics(ComponentMetrics):
             "KV pulls that failed: the decode worker computed the prompt itself",
         )
         self.leases_expired = self.counter(
-            "kv_leases_expired", "prefilled KV that no decode worker pulled in time"
+            "kv_leases_expired", "held KV (prefilled or migrating) nobody pulled in time"
         )
+        self.migrations_out = self.counter(
+            "migrations_out",
+            "running streams this decode worker handed to a peer, by cause",
+            ("cause",),
+        )
+        if role == "decode":  # exported at 0 from the start
+            for cause in ("drain", "rebalance", "requested"):
+                self.labelled(self.migrations_out, cause=cause)
         self.collect_with(lambda: _engine_samples(load()))
 
     def observe_prefix(self, prompt_tokens: int, cached_tokens: int) -> None:
