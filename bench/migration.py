@@ -8,8 +8,11 @@ sees, against waiting for the streams and against recomputing them, in the same 
    is decoding, the decode worker running the most gets SIGTERM. Handing over (the
    default, ``--drain-migrate-after 0``) against waiting (``--drain-migrate-after`` =
    ``--drain-timeout`` = 300 s: the streams finish where they are, the behaviour before
-   live migration). Reported: seconds from SIGTERM to the worker's exit, and whether
-   every stream equals the no-fault run.
+   live migration); and ``kill -9``, whose streams the next worker recomputes from their
+   tokens. Reported: seconds from the signal to the worker's exit, and how many streams
+   equal the no-fault run (each run on a fresh cluster whose prefill worker takes one
+   prompt per step, so two runs' rounding can differ only by what happens to the moved
+   streams).
 2. **The pause of one move.** One stream with an ``L``-token prompt is handed over
    (``Migrate``) after 32 tokens: the pause is the longest gap between two of its tokens.
    A recompute instead costs a prefill of ``L + 32`` tokens on the receiving worker:
@@ -22,16 +25,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import itertools
-import json
-import os
-import platform
 import random
 import signal
-import subprocess
-import tempfile
 import time
 from pathlib import Path
 
+from tandem.bench.cluster_bench import LOG_DIR, checkpoint, emit, free_port, provenance
 from tandem.cli.launcher import ClusterSpec, LocalCluster
 from tandem.common.client import AsyncGenerationClient, build_request
 from tandem.protos import common_pb2, worker_pb2, worker_pb2_grpc
@@ -83,9 +82,13 @@ def _spec(model: str, log_dir: Path, name: str, decode_args=(), router_args=()) 
     return ClusterSpec(
         model_dir=model,
         num_decode=2,
-        router_port=_free_port(),
+        router_port=free_port(),
         model_name=name,
-        worker_args=("--dtype", "bfloat16", "--num-kv-blocks", "1024", "--max-model-len", "4096"),
+        worker_args=("--dtype", "bfloat16", "--num-kv-blocks", "1024", "--max-model-len", "2048"),
+        # One prompt per prefill step: its rounding then depends on the prompt alone (a
+        # bigger bfloat16 batch takes other GEMM kernels), so runs are comparable token for
+        # token; decode batches (a few rows) do not change kernels.
+        prefill_args=("--max-num-seqs", "1"),
         decode_args=tuple(decode_args),
         router_args=("--decode-policy", "round_robin", *router_args),
         threads_per_worker=1,
@@ -93,36 +96,33 @@ def _spec(model: str, log_dir: Path, name: str, decode_args=(), router_args=()) 
     )
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def scale_down(model: str, log_dir: Path, streams: int, tokens: int) -> dict:
+    """Each run on a fresh cluster: a second run on the same one would find its prompts
+    cached, compute only their last blocks, and round differently."""
     prompts = random_prompts(streams, 4096, (64, 128), seed=50)
     out: dict[str, dict] = {}
     reference = None
-    for mode, migrate_after in (("hand over", "0"), ("wait", "300")):
-        spec = _spec(
-            model,
-            log_dir,
-            f"bench-migrate-{migrate_after}",
-            ("--drain-timeout", "300", "--drain-migrate-after", migrate_after),
-        )
+    modes = (
+        ("no fault", None, None),
+        ("hand over", "0", signal.SIGTERM),
+        ("wait", "300", signal.SIGTERM),
+        ("kill -9: recompute", "0", signal.SIGKILL),
+    )
+    for mode, migrate_after, sig in modes:
+        decode_args = ("--drain-timeout", "300", "--drain-migrate-after", migrate_after or "0")
+        spec = _spec(model, log_dir, f"bench-migrate-{len(out)}", decode_args)
         with LocalCluster(spec) as cluster:
-            if reference is None:
+            if migrate_after is None:
                 reference, _ = asyncio.run(_run(cluster, prompts, tokens))
+                continue
             exits: list[float] = []
 
-            def act(cluster=cluster, exits=exits, mode=mode) -> None:
+            def act(cluster=cluster, exits=exits, mode=mode, sig=sig) -> None:
                 running = {n: cluster.worker_status(n).num_running for n in DECODERS}
                 name = max(running, key=running.__getitem__)
                 child = cluster.children.pop(name)
                 start = time.monotonic()
-                child.process.send_signal(signal.SIGTERM)
+                child.process.send_signal(sig)
                 child.process.wait(timeout=600)
                 exits.append(time.monotonic() - start)
                 out[mode] = {"streams_on_worker": running[name]}
@@ -173,31 +173,20 @@ def main() -> int:
     parser.add_argument("--size", default="medium", help="preset of the random checkpoint")
     parser.add_argument("--streams", type=int, default=6)
     parser.add_argument("--tokens", type=int, default=300)
-    parser.add_argument("--lengths", default="512,2048")
+    parser.add_argument("--lengths", default="512,1536")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--json", type=Path, help="also write the figures here")
     args = parser.parse_args()
-    work = Path(tempfile.mkdtemp(prefix="tandem-bench-migration-"))
-    model = args.model
-    if model is None:
-        from tandem.tools.checkpoint_maker import make_model
-
-        model = str(make_model(work / "model", arch="llama", size=args.size))
-    log_dir = Path("bench/results/logs")
+    model = checkpoint(args.model, args.size, "migration")
+    log_dir = LOG_DIR
     report = {
-        "commit": subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True
-        ).stdout.strip(),
-        "machine": f"{platform.machine()}, {os.cpu_count()} cores",
-        "model": args.model or f"random llama {args.size}",
+        **provenance(args.model, args.size),
         "scale_down": scale_down(model, log_dir, args.streams, args.tokens),
         "move_pause": move_pause(
             model, log_dir, [int(x) for x in args.lengths.split(",")], args.repeats
         ),
     }
-    print(json.dumps(report))
-    if args.json is not None:
-        args.json.write_text(json.dumps(report, indent=2) + "\n")
+    emit(report, args.json)
     return 0
 
 

@@ -53,6 +53,8 @@ class RouterOptions:
     """Prefix-aware weights for the prefill pool (``None``: the defaults)."""
     decode_cost: PrefixCost | None = None
     disaggregation_min_tokens: int = 32
+    max_local_prefill_tokens: int = 512
+    """Conditional disaggregation (``OrchestratorConfig.max_local_prefill_tokens``)."""
     max_pending_requests: int = 1024
     max_model_len: int | None = None
     generation_config: str = "auto"
@@ -204,7 +206,9 @@ async def run(
         prefill_policy,
         decode_policy,
         OrchestratorConfig(
-            disaggregation_min_tokens=options.disaggregation_min_tokens, stall=options.stall
+            disaggregation_min_tokens=options.disaggregation_min_tokens,
+            max_local_prefill_tokens=options.max_local_prefill_tokens,
+            stall=options.stall,
         ),
         indexer=indexer,
         inflight=inflight,

@@ -88,6 +88,15 @@ class RouterMetrics(ComponentMetrics):
         for cause, modes in MIGRATION_SERIES.items():  # exported at 0 from the start
             for mode in modes:
                 self.labelled(self._migrations, cause=cause, mode=mode)
+        self._local_prefills = self.counter(
+            "router_local_prefills",
+            "prompts the decode worker prefilled itself, skipping the prefill pool: short "
+            "(below --disaggregation-min-tokens) or cached_on_decode (conditional "
+            "disaggregation: a decode worker held most of the prompt)",
+            ("reason",),
+        )
+        for reason in ("short", "cached_on_decode"):
+            self.labelled(self._local_prefills, reason=reason)
         self.decode_stalls = self.counter(
             "router_decode_stalls", "of those, streams moved because they stalled"
         )
@@ -121,6 +130,9 @@ class RouterMetrics(ComponentMetrics):
 
     def failed(self, code: str) -> None:
         self.labelled(self._errors, code=code).inc()
+
+    def local_prefill(self, reason: str) -> None:
+        self.labelled(self._local_prefills, reason=reason).inc()
 
     def migrated(self, cause: str, with_kv: bool) -> None:
         """A decode stream moved on (``cause``: failure, stall, drain, rebalance,

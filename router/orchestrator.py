@@ -4,7 +4,9 @@
 
 1. A prompt of at least ``disaggregation_min_tokens`` tokens goes to a prefill worker,
    whose first token is yielded at once (TTFT); a failed prefill worker is retried on
-   another, and with none left the decode worker prefills locally.
+   another, and with none left the decode worker prefills locally. Conditional
+   disaggregation keeps a prompt on the decode side when a decode worker holds more of
+   it than any prefill worker and little is left to compute (``_prefill_remotely``).
 2. A decode worker continues from the first token, pulling the prompt's KV from the
    prefill worker named in the handle. If it fails mid-stream, the next decode worker
    gets the prompt plus every token produced so far (no handle: it recomputes them)
@@ -94,6 +96,10 @@ class NoWorkerAvailable(Exception):
 class OrchestratorConfig:
     disaggregation_min_tokens: int = 32
     """Shorter prompts skip the prefill pool: the decode worker prefills them itself."""
+    max_local_prefill_tokens: int = 512
+    """Conditional disaggregation: a prompt of which a decode worker holds more than any
+    prefill worker (a conversation's earlier turns, answers included) skips the prefill
+    pool when at most this many of its tokens are left to compute there (0: off)."""
     max_prefill_attempts: int = 2
     max_decode_attempts: int = 3
     stall: StallPolicy = StallPolicy()
@@ -176,7 +182,7 @@ class Orchestrator:
         produced: list[int] = []
         handle = None
         try:
-            if request.num_prompt_tokens >= self.config.disaggregation_min_tokens:
+            if self._prefill_remotely(request, routing, trace):
                 prefill = await self._prefill(request, routing, trace, deadline)
                 if prefill is not None:
                     trace.first_token_at = time.monotonic()
@@ -194,6 +200,46 @@ class Orchestrator:
                 self._release_unused_lease(request.request_id, trace)
 
     # --- prefill -----------------------------------------------------------------------
+
+    def _prefill_remotely(
+        self, request: ValidatedRequest, routing: RoutingRequest, trace: RequestTrace
+    ) -> bool:
+        """Whether a prefill worker should compute the prompt (disaggregated), or the decode
+        worker that will run it: short prompts, and — conditional disaggregation — prompts
+        whose context a decode worker already holds more of than any prefill worker
+        (a multi-turn conversation's earlier answers live only where they were decoded),
+        with at most ``max_local_prefill_tokens`` left to compute there: prefilling those
+        few tokens where the rest already is beats a prefill worker recomputing the
+        answers and a pull of the whole prompt."""
+        if request.num_prompt_tokens < self.config.disaggregation_min_tokens:
+            self.metrics.local_prefill("short")
+            return False
+        if (
+            not self.config.max_local_prefill_tokens
+            or self.indexer is None
+            or not routing.block_hashes
+            or not self.decode_policy.uses_prefix_match
+        ):
+            return True
+        held = {WorkerRole.PREFILL: 0, WorkerRole.DECODE: 0}
+        suspects = self.suspects.current()
+        for worker_id, blocks in self.indexer.overlap(routing.block_hashes).items():
+            record = self.watcher.get(worker_id)
+            if record is not None and worker_id not in suspects:
+                role = record.info.role
+                held[role] = max(held[role], blocks)
+        block_size = self._block_size() or 0
+        left = request.num_prompt_tokens - held[WorkerRole.DECODE] * block_size
+        if held[WorkerRole.DECODE] > held[WorkerRole.PREFILL] and (
+            left <= self.config.max_local_prefill_tokens
+        ):
+            self.metrics.local_prefill("cached_on_decode")
+            trace.span.add_event(
+                "prefill on the decode worker",
+                {"tandem.cached_on_decode_tokens": held[WorkerRole.DECODE] * block_size},
+            )
+            return False
+        return True
 
     async def _prefill(
         self,

@@ -58,13 +58,15 @@ def cluster(model_dir: Path, redis_url: str, tmp_path_factory) -> Iterator[Local
 class RouterProcess:
     """A router of our own next to the cluster's (a restarted router, or a replica)."""
 
-    def __init__(self, cluster: LocalCluster, log_dir: Path) -> None:
+    def __init__(
+        self, cluster: LocalCluster, log_dir: Path, extra_args: tuple[str, ...] = ()
+    ) -> None:
         self.port, self.metrics_port = free_port(), free_port()
         args = [
             sys.executable, "-m", "tandem.cli", "router",
             "--model", cluster.spec.model_dir, "--model-name", cluster.model_name,
             "--redis-url", cluster.redis_url, "--port", str(self.port),
-            "--metrics-port", str(self.metrics_port),
+            "--metrics-port", str(self.metrics_port), *extra_args,
         ]  # fmt: skip
         env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONHASHSEED": "987"}
         self.log = (log_dir / f"router-{self.port}.log").open("w")
@@ -217,7 +219,10 @@ def _busy_fraction(router: RouterProcess, worker: str) -> float:
 def test_a_removed_worker_is_never_chosen_and_its_entries_are_gone(
     cluster: LocalCluster, tmp_path: Path
 ) -> None:
-    router = RouterProcess(cluster, tmp_path)
+    # Once prefill-1 is gone the decode worker holds more of the prefix than any prefill
+    # worker, and conditional disaggregation would prefill there: this test is about
+    # the prefill pool's picks, so every prompt goes through it.
+    router = RouterProcess(cluster, tmp_path, ("--max-local-prefill-tokens", "0"))
     try:
         _wait_synced(router)
         prompt = random_prompts(1, 4096, (96, 96), seed=8)[0]

@@ -48,6 +48,14 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         help="shorter prompts are prefilled by the decode worker itself",
     )
     router.add_argument(
+        "--max-local-prefill-tokens",
+        type=int,
+        default=512,
+        help="conditional disaggregation: a prompt of which a decode worker holds more than "
+        "any prefill worker (a conversation's earlier turns, answers included) is prefilled "
+        "on that decode worker when at most this many tokens are left to compute (0: off)",
+    )
+    router.add_argument(
         "--max-pending-requests",
         type=positive_int,
         default=1024,
@@ -344,6 +352,7 @@ def router_options(args: argparse.Namespace) -> RouterOptions:
         prefill_cost=prefill_cost,
         decode_cost=decode_cost,
         disaggregation_min_tokens=args.disaggregation_min_tokens,
+        max_local_prefill_tokens=args.max_local_prefill_tokens,
         max_pending_requests=args.max_pending_requests,
         max_model_len=args.max_model_len,
         generation_config=args.generation_config,
