@@ -10,10 +10,18 @@ import torch
 
 from tandem.common.model_config import ModelConfig
 from tandem.common.sampling_params import MAX_SPECULATIVE_TOKENS, SpecMethod
-from tandem.engine.attention.base import AttentionBackendKind, select_backend_kind
+from tandem.engine.attention.base import (
+    AttentionBackendKind,
+    native_cpu_available,
+    select_backend_kind,
+)
 from tandem.engine.attention.flash import FLASH_BLOCK_SIZE_MULTIPLE
 from tandem.engine.attention.kv_quant import KVCacheDtype, parse_kv_cache_dtype
-from tandem.engine.layers.linear import LinearBackend, select_linear_backend
+from tandem.engine.layers.linear import (
+    LinearBackend,
+    linear_backend_available,
+    select_linear_backend,
+)
 from tandem.engine.layers.moe import ExpertSplit
 from tandem.engine.quantization.checkpoint import stored_quantization
 from tandem.engine.quantization.scheme import (
@@ -99,6 +107,14 @@ class EngineConfig:
     """Mixture-of-experts models under tensor parallelism: each rank holds
     ``num_experts / tensor_parallel_size`` whole experts instead of every expert's
     slice of the intermediate dims (``engine/layers/moe.py``)."""
+    batch_invariant: bool = False
+    """A sequence's logits do not depend on its batch, its chunking, or whether its KV
+    came from a prefill or from decode: every product runs on Tandem's native CPU
+    kernels in float32, whose reduction order is fixed whatever the row count (the
+    GEMM sums each output in input-channel order; attention runs every query row, a
+    prompt's included, as a decode over its own keys). A recomputed failover, a
+    preemption and speculation then give bitwise the tokens of an undisturbed run.
+    CPU only; computes in float32 whatever the checkpoint's dtype."""
 
     @property
     def expert_split(self) -> ExpertSplit:
@@ -107,6 +123,11 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.dtype != "auto" and self.dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of auto, {', '.join(_DTYPES)}; got {self.dtype!r}")
+        if self.batch_invariant and self.dtype not in ("auto", "float32"):
+            raise ValueError(
+                "batch_invariant computes in float32 (the kernels whose reduction order is "
+                f"fixed are float32 ones): leave dtype auto or set float32, not {self.dtype}"
+            )
         if self.linear_backend is not None:
             valid = [k.value for k in LinearBackend]
             if self.linear_backend not in valid:
@@ -201,6 +222,8 @@ class EngineRuntime:
     """Applied at load to a float checkpoint; ``None`` for float weights or a checkpoint
     that is quantized already (it loads as written)."""
     kv_cache_dtype: KVCacheDtype = KVCacheDtype.AUTO
+    batch_invariant: bool = False
+    """Every query row through the attention kernel (``EngineConfig.batch_invariant``)."""
 
 
 def resolve_runtime(config: EngineConfig, model: ModelConfig) -> EngineRuntime:
@@ -209,6 +232,9 @@ def resolve_runtime(config: EngineConfig, model: ModelConfig) -> EngineRuntime:
     dtype = (
         _DTYPES.get(model.dtype, torch.float32) if config.dtype == "auto" else _DTYPES[config.dtype]
     )
+    if config.batch_invariant:
+        _check_batch_invariant(config, model, device)
+        dtype = torch.float32
     if quantization is not None or stored is not None:
         if config.dtype == "auto":
             dtype = torch.float32  # the quantized kernels take float32 activations
@@ -217,6 +243,8 @@ def resolve_runtime(config: EngineConfig, model: ModelConfig) -> EngineRuntime:
                 f"quantization runs on the CPU in float32, not {device.type} {config.dtype}"
             )
     requested = AttentionBackendKind(config.attention_backend) if config.attention_backend else None
+    if config.batch_invariant:
+        requested = AttentionBackendKind.CPU
     kv_cache_dtype = parse_kv_cache_dtype(config.kv_cache_dtype)
     backend = select_backend_kind(
         requested, device, dtype, model.head_dim, model.attn_logit_softcap, model.mla is not None
@@ -235,6 +263,8 @@ def resolve_runtime(config: EngineConfig, model: ModelConfig) -> EngineRuntime:
     if config.num_threads is not None and device.type == "cpu":
         torch.set_num_threads(config.num_threads)
     requested_linear = LinearBackend(config.linear_backend) if config.linear_backend else None
+    if config.batch_invariant:
+        requested_linear = LinearBackend.NATIVE
     linear = select_linear_backend(requested_linear, device, dtype, model.hidden_size)
     return EngineRuntime(
         device,
@@ -246,7 +276,32 @@ def resolve_runtime(config: EngineConfig, model: ModelConfig) -> EngineRuntime:
         _step_budget(config, device, max_model_len),
         quantization,
         kv_cache_dtype,
+        config.batch_invariant,
     )
+
+
+def _check_batch_invariant(config: EngineConfig, model: ModelConfig, device: torch.device) -> None:
+    """``ValueError`` naming what keeps ``batch_invariant`` from holding here."""
+    why = None
+    if device.type != "cpu":
+        why = f"runs on the CPU's native kernels, not {device.type} (not yet on GPUs)"
+    elif config.attention_backend not in (None, AttentionBackendKind.CPU.value):
+        why = (
+            f"needs the native attention kernel, not attention_backend {config.attention_backend!r}"
+        )
+    elif model.mla is not None:
+        why = "needs the native attention kernel, which does not read a latent (MLA) cache yet"
+    elif not native_cpu_available(device, torch.float32, model.head_dim, model.attn_logit_softcap):
+        why = (
+            "needs the native attention kernel, which cannot run this model here (a C compiler,"
+            f" head_dim {model.head_dim} within its limit, no score soft-capping)"
+        )
+    elif config.linear_backend not in (None, LinearBackend.NATIVE.value):
+        why = f"needs the native GEMM, not linear_backend {config.linear_backend!r}"
+    elif not linear_backend_available(LinearBackend.NATIVE, device, torch.float32):
+        why = "needs the native GEMM, which needs a CPU with AVX2 and FMA"
+    if why is not None:
+        raise ValueError(f"batch_invariant {why}")
 
 
 def _step_budget(config: EngineConfig, device: torch.device, max_model_len: int) -> int:

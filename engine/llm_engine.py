@@ -104,6 +104,7 @@ def _model_runner(
         group,
         rt.quantization,
         config.expert_split,
+        rt.batch_invariant,
     )
 
 

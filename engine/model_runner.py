@@ -90,13 +90,15 @@ class ModelRunner:
         tp: TensorParallelGroup | None = None,
         quantization: QuantizationConfig | None = None,
         expert_split: ExpertSplit = ExpertSplit.TENSOR,
+        batch_invariant: bool = False,
     ) -> None:
         """``tp``: this rank's group when the model is split over ranks; ``layout``
         then describes this rank's heads. Rank 0 runs ``execute`` / ``last_logits`` and
         sends each forward's plan to the other ranks, which run ``run_plan``.
         ``quantization``: quantize the linear layers at load (a quantized checkpoint
         loads quantized regardless). ``expert_split``: how a mixture of experts splits
-        over the ranks."""
+        over the ranks. ``batch_invariant``: every query row through the attention
+        kernel (``EngineConfig.batch_invariant``)."""
         self.device = device
         self.layout = layout
         self.eos_token_ids = eos_token_ids
@@ -118,6 +120,7 @@ class ModelRunner:
             layout.kv_cache_dtype,
             model_config.attn_logit_softcap,
             None if model_config.mla is None else model_config.mla.kv_lora_rank,
+            batch_invariant,
         )
         self.sampler = Sampler(device, seed)
         self._generators: dict[str, torch.Generator] = {}

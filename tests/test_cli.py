@@ -145,6 +145,20 @@ def test_quantize_lm_head_is_a_switch_with_a_value(capsys: pytest.CaptureFixture
     assert "--quantize-lm-head: expected true or false, got 'maybe'" in err
 
 
+def test_batch_invariance_is_a_switch_and_vllms_variable(monkeypatch) -> None:
+    monkeypatch.delenv("VLLM_BATCH_INVARIANT", raising=False)
+    args = build_parser().parse_args(["decode-worker", *SERVER, "--batch-invariant"])
+    assert worker.engine_settings(args) == {"batch_invariant": True}
+    args = build_parser().parse_args(["prefill-worker", *SERVER])
+    assert worker.engine_settings(args) == {}
+    monkeypatch.setenv("VLLM_BATCH_INVARIANT", "1")
+    assert worker.engine_settings(args) == {"batch_invariant": True}
+    args = build_parser().parse_args(["prefill-worker", *SERVER, "--no-batch-invariant"])
+    assert worker.engine_settings(args) == {"batch_invariant": False}  # the flag wins
+    with pytest.raises(ValueError, match="batch_invariant computes in float32"):
+        EngineConfig(model="m", dtype="float16", batch_invariant=True)
+
+
 def test_help_shows_defaults(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit):
         build_parser().parse_args(["router", "--help"])

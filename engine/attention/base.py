@@ -133,12 +133,15 @@ def make_backend(
     kv_dtype: KVCacheDtype = KVCacheDtype.AUTO,
     softcap: float | None = None,
     latent_value_dim: int | None = None,
+    batch_invariant: bool = False,
 ) -> AttentionBackend:
     """``kv_dtype``: how the cache stores values; every backend but flash reads a
     quantized cache (``EngineConfig`` refuses flash with one). ``softcap``: scores
     become ``softcap * tanh(scores / softcap)`` before the softmax (Gemma 2).
     ``latent_value_dim``: the cache is latent (one plane of rows whose first
-    ``latent_value_dim`` values are also the values; ``attention.latent``)."""
+    ``latent_value_dim`` values are also the values; ``attention.latent``).
+    ``batch_invariant`` (``cpu`` only): every query row through the kernel, long prompt
+    chunks included, so a row's result never depends on the step's shape."""
     codec = make_kv_codec(kv_dtype)
     if latent_value_dim is not None:
         if kind not in (AttentionBackendKind.SDPA, AttentionBackendKind.TORCH):
@@ -164,7 +167,7 @@ def make_backend(
         from tandem.engine.attention.cpu_paged import CpuPagedAttention
         from tandem.engine.attention.native import paged_decode_library
 
-        return CpuPagedAttention(scale, paged_decode_library(), kv_dtype)
+        return CpuPagedAttention(scale, paged_decode_library(), kv_dtype, batch_invariant)
     if kv_dtype.quantized:
         raise ValueError(f"attention_backend 'flash' cannot read a {kv_dtype.value} KV cache")
     from tandem.engine.attention.flash import FlashAttention

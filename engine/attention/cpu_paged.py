@@ -47,10 +47,19 @@ beats SDPA's blocked GEMMs (torch's CPU flash attention over MKL, slow on AMD pa
 
 class CpuPagedAttention(SdpaAttention):
     def __init__(
-        self, scale: float, library: ctypes.CDLL, kv_dtype: KVCacheDtype = KVCacheDtype.AUTO
+        self,
+        scale: float,
+        library: ctypes.CDLL,
+        kv_dtype: KVCacheDtype = KVCacheDtype.AUTO,
+        batch_invariant: bool = False,
     ) -> None:
+        """``batch_invariant``: every chunk through the kernel, whatever its length: a
+        query row is then computed as a decode over its own keys, the same way whether
+        it is a decode, a row of a prompt chunk or of a recomputed prompt, whatever else
+        the step holds (the kernel never splits one row's key range)."""
         codec = NativeQuantizedKV(kv_dtype, library) if kv_dtype.quantized else None
         super().__init__(scale, codec or make_kv_codec(kv_dtype), softcap=None)
+        self.batch_invariant = batch_invariant
         self._kernel = _kernel_for(library, kv_dtype)
         self._rows: _KernelRows | None = None
         self._long_spans: list[tuple[int, int, int, int]] = []
@@ -66,7 +75,8 @@ class CpuPagedAttention(SdpaAttention):
         for span in meta.prefill_spans():
             seq, q_start, q_end, context_start = span
             chunk = q_end - q_start
-            if chunk > KERNEL_CHUNK_TOKENS and context_start + chunk > KERNEL_SEQ_LEN:
+            long = chunk > KERNEL_CHUNK_TOKENS and context_start + chunk > KERNEL_SEQ_LEN
+            if long and not self.batch_invariant:
                 self._long_spans.append(span)
                 continue
             query_rows.extend(range(q_start, q_end))

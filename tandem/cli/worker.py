@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import uuid
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -163,6 +164,14 @@ ENGINE_FLAGS: tuple[EngineFlag, ...] = (
         "(default: False)",
         metavar="{true,false}",
     ),
+    EngineFlag(
+        "batch-invariant",
+        boolean,
+        "a sequence's logits do not depend on its batch, chunking or KV source: native CPU "
+        "kernels with a fixed reduction order, in float32; a recomputed failover then "
+        "continues bitwise (docs/reliability.md#batch-invariant-numerics; default: False)",
+        metavar="{true,false}",
+    ),
 )
 SPECULATIVE_FLAGS: tuple[EngineFlag, ...] = (
     EngineFlag(
@@ -285,6 +294,8 @@ def engine_settings(args: argparse.Namespace) -> dict[str, object]:
         for f in ROLE_ENGINE_FLAGS[args.role]
         if getattr(args, f.field) is not None
     }
+    if "batch_invariant" not in given and os.environ.get("VLLM_BATCH_INVARIANT") == "1":
+        given["batch_invariant"] = True  # vLLM's switch, for a drop-in command line
     if given.get("speculative_method") == "none":
         for field in ("speculative_method", "draft_model"):
             given.pop(field, None)
