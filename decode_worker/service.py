@@ -57,6 +57,8 @@ HANDOFF_WAIT_S = 10.0
 """How long a draining worker waits, after handing its streams over, for the peers to
 pull the KV (their leases end) before it stops serving ``KVTransfer``."""
 POLL_S = 0.05
+PEER_SETTLE_S = 1.0
+"""How long a draining worker waits before it counts its peers (see ``drain``)."""
 
 
 @dataclass
@@ -301,8 +303,13 @@ class DecodeService(worker_pb2_grpc.DecodeWorkerServicer):
         if not self._live:
             return
         wait_s = drain_s
-        if migrate_after_s < drain_s and await count_peers() > 0:
-            wait_s = migrate_after_s
+        if migrate_after_s < drain_s:
+            # Peers told to stop at the same moment (a scale-down of several) leave the
+            # registry within this; counted before, they would be handed streams they
+            # refuse, and the streams would have nowhere to go.
+            await asyncio.sleep(PEER_SETTLE_S)
+            if await count_peers() > 0:
+                wait_s = max(0.0, migrate_after_s - PEER_SETTLE_S)
         log.info(
             "draining: %d streams; up to %.1f s for them to finish here", len(self._live), wait_s
         )

@@ -196,6 +196,27 @@ def test_a_draining_decode_worker_hands_its_streams_over_with_their_kv(make_clus
     _assert_nothing_held(cluster, ("prefill-0", peer))
 
 
+def test_decode_workers_stopped_together_do_not_hand_streams_to_each_other(make_cluster):
+    """A scale-down of every decode worker at once: each leaves the registry before
+    counting its peers, finds none, and lets its streams finish there (within
+    --drain-timeout) instead of handing them to a peer that is leaving too."""
+    cluster = make_cluster(
+        decode_args=("--drain-timeout", "30"), worker_env={name: SLOW for name in DECODERS}
+    )
+    prompts = random_prompts(4, 4096, (40, 80), seed=38)
+    requests = [(p, _greedy(250)) for p in prompts]
+    reference = asyncio.run(_streams(cluster, requests))
+
+    def stop_both() -> None:
+        for name in DECODERS:
+            cluster.children[name].process.send_signal(signal.SIGTERM)
+
+    assert asyncio.run(_streams(cluster, requests, stop_both)) == reference
+    for name in DECODERS:
+        assert cluster.children[name].process.wait(timeout=60) == 0
+    assert _migrations(cluster, "drain", "kv") == 0
+
+
 def test_migrate_moves_speculative_and_structured_streams_unchanged(make_cluster, model_dir):
     """Rebalancing by hand: ``Migrate`` on the busiest decode worker hands its streams
     to the other one mid-flight; with n-gram speculation on and structured-output and
