@@ -340,3 +340,30 @@ def test_a_handover_whose_pull_fails_is_recomputed_with_nothing_lost(make_cluste
     assert _migrations(cluster, "requested", "kv") >= 1
     assert worker_status(cluster, "decode-1").num_fallbacks >= 1
     _assert_nothing_held(cluster, ("prefill-0", *DECODERS))
+
+
+def test_a_handover_whose_target_dies_is_recomputed_with_nothing_lost(make_cluster, model_dir):
+    """decode-0 hands its streams over (``Migrate``) and decode-1, the only target, is
+    killed at once: the router's next attempt recomputes each stream on decode-0 from its
+    tokens (float32: identical), and the leases decode-0 granted for the dead worker's
+    pulls end by expiry, freeing every block."""
+    cluster = make_cluster(
+        decode_args=("--lease-ttl", "3"),
+        worker_env={name: SLOW for name in DECODERS},
+    )
+    prompts = random_prompts(4, 4096, (40, 80), seed=39)
+    expected = _offline_greedy(model_dir, prompts, 200)
+    moved: list[worker_pb2.MigrateResponse] = []
+
+    def act() -> None:
+        with cluster.worker_channel("decode-0") as channel:
+            stub = worker_pb2_grpc.DecodeWorkerStub(channel)
+            moved.append(stub.Migrate(worker_pb2.MigrateRequest(num_blocks=10_000), timeout=10))
+        cluster.children["decode-1"].process.kill()
+
+    got = asyncio.run(_streams(cluster, [(p, _greedy(200)) for p in prompts], act))
+    assert got == expected
+    assert moved and moved[0].request_ids, "decode-0 ran no stream to hand over"
+    assert _migrations(cluster, "requested", "kv") == len(moved[0].request_ids)
+    assert _migrations(cluster, "failure", "recompute") >= 1
+    _assert_nothing_held(cluster, ("prefill-0", "decode-0"))

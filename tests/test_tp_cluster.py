@@ -77,3 +77,63 @@ def test_tp_size_mismatch_is_refused_by_name(model_dir, redis_url, tmp_path, pro
         assert worker_status(cluster, "decode-0").num_fallbacks == 2
     log = (tmp_path / "decode-0.log").read_text()
     assert "tensor-parallel size" in log, log[-2000:]
+
+
+def test_a_tp2_decode_replica_hands_its_streams_to_another_rank_to_rank(
+    model_dir, redis_url, tmp_path, prompts
+) -> None:
+    """Live migration between two TP=2 decode replicas: each rank of the replica handing
+    over sends its heads to the same rank of the receiving one; the streams continue
+    exactly (the offline engine, itself checked against transformers), with no recompute."""
+    from tandem.protos import worker_pb2, worker_pb2_grpc
+
+    n = 160
+    decoders = ("decode-0", "decode-1")
+    spec = cluster_spec(
+        model_dir,
+        redis_url,
+        tmp_path,
+        "tp-migrate",
+        num_decode=2,
+        prefill_args=TP2,
+        decode_args=(*TP2, "--kv-pull-timeout", "10"),
+        router_args=("--decode-policy", "round_robin"),
+        worker_env={d: {"TANDEM_FAULTS": "engine.step:delay=0.03"} for d in decoders},
+    )
+    expected = offline_greedy_checked(model_dir, prompts[:4], n)
+    greedy = common_pb2.SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)
+    moved: list[worker_pb2.MigrateResponse] = []
+    with LocalCluster(spec) as cluster:
+
+        async def run() -> list[list[int]]:
+            from tandem.common.client import AsyncGenerationClient, build_request
+
+            acted = asyncio.Event()
+
+            async def one(client, prompt) -> list[int]:
+                tokens: list[int] = []
+                request = build_request(prompt, greedy)
+                async for response in client.generate(request, timeout_s=300):
+                    tokens += response.token_ids
+                    if len(tokens) >= 10 and not acted.is_set():
+                        acted.set()
+                        await asyncio.to_thread(migrate)
+                return tokens
+
+            async with AsyncGenerationClient(cluster.router_address) as client:
+                return list(await asyncio.gather(*(one(client, p) for p in prompts[:4])))
+
+        def migrate() -> None:
+            running = {d: worker_status(cluster, d).num_running for d in decoders}
+            busiest = max(running, key=running.__getitem__)
+            with cluster.worker_channel(busiest) as channel:
+                stub = worker_pb2_grpc.DecodeWorkerStub(channel)
+                request = worker_pb2.MigrateRequest(num_blocks=10_000)
+                moved.append(stub.Migrate(request, timeout=30))
+
+        assert asyncio.run(run()) == expected
+        assert moved and len(moved[0].request_ids) >= 1
+        assert all(worker_status(cluster, d).num_fallbacks == 0 for d in decoders)
+        received = sum(worker_status(cluster, d).kv_blocks_received for d in decoders)
+        sent = worker_status(cluster, "prefill-0").kv_blocks_sent
+        assert received > sent  # the prefill's prompts, and the handed-over streams
