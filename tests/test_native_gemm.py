@@ -188,3 +188,30 @@ def test_stacks_of_mixed_weights_are_refused(gemm) -> None:
         gemm.stack([gemm.pack(w), gemm.pack_gated(w, w)])
     with pytest.raises(ValueError, match="share their shape and packing"):
         gemm.stack([gemm.pack(w), gemm.pack(torch.randn(9, 16))])
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+def test_bfloat16_panels_give_the_float32_panels_results_bitwise(gemm, threads, shape) -> None:
+    """Weights whose values are bfloat16 (a bfloat16 checkpoint run in float32), packed
+    narrow, take half the bytes and give every bit of the float32 packing's results."""
+    m, k, n = shape
+    x, w, b = _data(m, k, n, seed=11)
+    w = w.bfloat16().float()
+    u = torch.randn(n, k, generator=torch.Generator().manual_seed(12)).bfloat16().float()
+    wide, narrow = gemm.pack(w), gemm.pack(w, narrow=True)
+    assert narrow.narrow and narrow.data.dtype == torch.int16
+    assert narrow.data.nbytes * 2 == wide.data.nbytes
+    assert torch.equal(gemm.linear(x, narrow, b), gemm.linear(x, wide, b))
+    gated_wide, gated_narrow = gemm.pack_gated(w, u), gemm.pack_gated(w, u, narrow=True)
+    assert gated_narrow.narrow
+    assert torch.equal(gemm.gated(x, gated_narrow), gemm.gated(x, gated_wide))
+
+
+def test_weights_that_are_not_bfloat16_stay_float32(gemm) -> None:
+    _, w, _ = _data(4, 64, 24, seed=13)
+    w[3, 5] = w[3, 5].bfloat16().float()  # one bfloat16 value does not make the rest
+    assert not gemm.pack(w, narrow=True).narrow
+    b16 = w.bfloat16().float()
+    assert not gemm.pack_gated(b16, w, narrow=True).narrow  # both must be
+    with pytest.raises(ValueError, match="packed in float32"):
+        gemm.stack([gemm.pack(b16, narrow=True)])

@@ -129,13 +129,15 @@ class PackedGatedMLP(nn.Module):
 
 
 class NativeLinear(nn.Module):
-    """A ``nn.Linear`` whose weight the native GEMM packed once; inference only."""
+    """A ``nn.Linear`` whose weight the native GEMM packed once; inference only. A weight
+    of bfloat16 values (a bfloat16 checkpoint run in float32) is packed in bfloat16: half
+    the bytes, the same results."""
 
     def __init__(self, linear: nn.Linear) -> None:
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.gemm = native_gemm()
-        self.packed_weight = self.gemm.pack(linear.weight)
+        self.packed_weight = self.gemm.pack(linear.weight, narrow=True)
         self.bias = None if linear.bias is None else linear.bias.detach()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -151,7 +153,7 @@ class NativeGatedMLP(nn.Module):
         self.intermediate_size = mlp.intermediate_size
         gate, up = mlp.gate_up_proj.weight.detach().split(mlp.intermediate_size)
         self.gemm = native_gemm()
-        self.gate_up = self.gemm.pack_gated(gate, up)
+        self.gate_up = self.gemm.pack_gated(gate, up, narrow=True)
         self.down_proj = packed_linear(mlp.down_proj, LinearBackend.NATIVE)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -13,7 +13,12 @@ AVX2 CPU.
 
 One build (``-mavx2 -mfma``), whatever ``select_isa`` picks above it; none on CPUs
 without AVX2 + FMA or with ``TANDEM_CPU_ISA=portable``. Results differ from
-``F.linear`` by float rounding only (sums in input-channel order, one FMA per term).
+``F.linear`` by float rounding only (sums in input-channel order, one FMA per term), and
+a row's result does not depend on the other rows of the call (``batch_invariant``).
+
+A weight whose every value is a bfloat16 (a bfloat16 checkpoint run in float32) may be
+packed in bfloat16 (``pack(..., narrow=True)``): half the bytes to read per decode step,
+widened exactly as the kernel loads them, so every result bit is the float32 panels'.
 """
 
 from __future__ import annotations
@@ -52,6 +57,8 @@ class PackedWeight:
     n: int
     k: int
     gated: bool = False
+    narrow: bool = False
+    """``data`` holds bfloat16 bit patterns (int16), not float32."""
 
 
 @dataclass(frozen=True)
@@ -88,6 +95,18 @@ class NativeGemm:
         self._gated = library.tandem_gemm_gated_f32
         self._gated.restype = None
         self._gated.argtypes = [_ptr, _i64, _i64, _ptr, _i64, _ptr, _int]
+        self._pack_bf16 = library.tandem_gemm_pack_bf16
+        self._pack_bf16.restype = None
+        self._pack_bf16.argtypes = [_ptr, _i64, _i64, _ptr]
+        self._pack_gated_bf16 = library.tandem_gemm_pack_gated_bf16
+        self._pack_gated_bf16.restype = None
+        self._pack_gated_bf16.argtypes = [_ptr, _ptr, _i64, _i64, _ptr]
+        self._gemm_bf16w = library.tandem_gemm_bf16w
+        self._gemm_bf16w.restype = None
+        self._gemm_bf16w.argtypes = self._gemm.argtypes
+        self._gated_bf16w = library.tandem_gemm_gated_bf16w
+        self._gated_bf16w.restype = None
+        self._gated_bf16w.argtypes = self._gated.argtypes
         self._grouped = {
             gated: getattr(library, name)
             for gated, name in (
@@ -99,20 +118,34 @@ class NativeGemm:
             fn.restype = None
             fn.argtypes = [_ptr, _ptr, _i64, _i64, _ptr, _i64, _i64, _ptr, _int]
 
-    def pack(self, weight: torch.Tensor) -> PackedWeight:
-        """``weight [n, k]`` in panel order."""
+    def pack(self, weight: torch.Tensor, narrow: bool = False) -> PackedWeight:
+        """``weight [n, k]`` in panel order; in bfloat16 when ``narrow`` and every value
+        is one (the results are the same either way)."""
         weight = _float32_matrix(weight, "weight")
         n, k = weight.shape
+        if narrow and _is_bfloat16(weight):
+            data = torch.empty(self._packed_floats(n, k), dtype=torch.int16)
+            bits = _bits(weight)  # held: the kernel reads it after this line
+            self._pack_bf16(bits.data_ptr(), n, k, data.data_ptr())
+            return PackedWeight(data, n, k, narrow=True)
         data = torch.empty(self._packed_floats(n, k), dtype=torch.float32)
         self._pack(weight.data_ptr(), n, k, data.data_ptr())
         return PackedWeight(data, n, k)
 
-    def pack_gated(self, gate: torch.Tensor, up: torch.Tensor) -> PackedWeight:
-        """``gate`` and ``up`` (both ``[n, k]``) interleaved 8 columns at a time."""
+    def pack_gated(
+        self, gate: torch.Tensor, up: torch.Tensor, narrow: bool = False
+    ) -> PackedWeight:
+        """``gate`` and ``up`` (both ``[n, k]``) interleaved 8 columns at a time; in
+        bfloat16 when ``narrow`` and every value of both is one."""
         gate, up = _float32_matrix(gate, "gate"), _float32_matrix(up, "up")
         if gate.shape != up.shape:
             raise ValueError(f"gate {tuple(gate.shape)} and up {tuple(up.shape)} differ")
         n, k = gate.shape
+        if narrow and _is_bfloat16(gate) and _is_bfloat16(up):
+            data = torch.empty(self._gated_packed_floats(n, k), dtype=torch.int16)
+            gate_bits, up_bits = _bits(gate), _bits(up)  # held while the kernel reads them
+            self._pack_gated_bf16(gate_bits.data_ptr(), up_bits.data_ptr(), n, k, data.data_ptr())
+            return PackedWeight(data, n, k, gated=True, narrow=True)
         data = torch.empty(self._gated_packed_floats(n, k), dtype=torch.float32)
         self._pack_gated(gate.data_ptr(), up.data_ptr(), n, k, data.data_ptr())
         return PackedWeight(data, n, k, gated=True)
@@ -135,7 +168,7 @@ class NativeGemm:
             return out if bias is None else out + bias
         out = torch.empty(*x.shape[:-1], n, dtype=torch.float32)
         if rows:
-            self._gemm(
+            (self._gemm_bf16w if weight.narrow else self._gemm)(
                 x.data_ptr(), rows, weight.k, weight.data.data_ptr(), n,
                 None if bias is None else bias.data_ptr(), out.data_ptr(),
                 torch.get_num_threads(),
@@ -150,7 +183,7 @@ class NativeGemm:
             return torch.zeros(*x.shape[:-1], n, dtype=torch.float32)
         out = torch.empty(*x.shape[:-1], n, dtype=torch.float32)
         if rows:
-            self._gated(
+            (self._gated_bf16w if weight.narrow else self._gated)(
                 x.data_ptr(), rows, weight.k, weight.data.data_ptr(), n, out.data_ptr(),
                 torch.get_num_threads(),
             )  # fmt: skip
@@ -162,6 +195,8 @@ class NativeGemm:
         first = weights[0]
         if any((w.n, w.k, w.gated) != (first.n, first.k, first.gated) for w in weights):
             raise ValueError("stacked weights must share their shape and packing")
+        if any(w.narrow for w in weights):
+            raise ValueError("stacked weights must be packed in float32 (narrow=False)")
         data = torch.stack([w.data for w in weights])
         return PackedStack(data, first.n, first.k, first.gated)
 
@@ -197,6 +232,16 @@ class NativeGemm:
             raise ValueError(f"inputs of {x.shape[-1]} features for a weight of {weight.k}")
         x = x.contiguous()
         return x, x.numel() // weight.k if weight.k else 0
+
+
+def _is_bfloat16(t: torch.Tensor) -> bool:
+    """Whether every value of float32 ``t`` is a bfloat16 (its low 16 bits are zero)."""
+    return not bool(torch.any(t.view(torch.int32) & 0xFFFF))
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    """The bfloat16 patterns of float32 ``t`` whose values all are bfloat16."""
+    return (t.view(torch.int32) >> 16).to(torch.int16).contiguous()
 
 
 def _float32_matrix(t: torch.Tensor, name: str) -> torch.Tensor:

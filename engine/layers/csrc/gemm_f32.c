@@ -22,6 +22,12 @@
  * Threads split the panels (each thread a contiguous range, so its weights are one
  * stream). Sums run in input-channel order per output, so a row's result does not depend
  * on how many rows are in the call or how the threads split them.
+ *
+ * Weights that are bfloat16 values (a bfloat16 checkpoint run in float32) may be packed
+ * as such (tandem_gemm_pack_bf16, the same panel order, 2 bytes a value): the kernel
+ * widens each to float32 exactly as it loads it (a 16-bit shift), so the products and
+ * their order, and every result bit, are those of the float32 panels, from half the
+ * bytes. The _bf16w entry points take such panels.
  */
 #include <immintrin.h>
 #include <stdint.h>
@@ -47,31 +53,41 @@ int64_t tandem_gemm_gated_packed_floats(int64_t n, int64_t k) {
     return (n + NR / 2 - 1) / (NR / 2) * NR * k;
 }
 
-/* packed[p][kk][c] = w[16p + c][kk]; columns past n are zero. */
-void tandem_gemm_pack_f32(const float *w, int64_t n, int64_t k, float *packed) {
-    int64_t panels = (n + NR - 1) / NR;
-#pragma omp parallel for schedule(static)
-    for (int64_t p = 0; p < panels; p++)
-        for (int c = 0; c < NR; c++) {
-            int64_t j = p * NR + c;
-            float *dst = packed + p * k * NR + c;
-            for (int64_t kk = 0; kk < k; kk++) dst[kk * NR] = j < n ? w[j * k + kk] : 0.0f;
-        }
-}
+/* packed[p][kk][c] = w[16p + c][kk]; columns past n are zero. T: float, or uint16_t for
+ * bfloat16 weights (their raw patterns; the panel order is the same). */
+#define PACK(name, T)                                                                      \
+    void name(const T *w, int64_t n, int64_t k, T *packed) {                              \
+        int64_t panels = (n + NR - 1) / NR;                                                \
+        _Pragma("omp parallel for schedule(static)") for (int64_t p = 0; p < panels; p++)  \
+            for (int c = 0; c < NR; c++) {                                                 \
+                int64_t j = p * NR + c;                                                    \
+                T *dst = packed + p * k * NR + c;                                          \
+                for (int64_t kk = 0; kk < k; kk++) dst[kk * NR] = j < n ? w[j * k + kk] : 0; \
+            }                                                                              \
+    }
+PACK(tandem_gemm_pack_f32, float)
+PACK(tandem_gemm_pack_bf16, uint16_t)
 
 /* packed[p][kk][c] = gate[8p + c][kk] for c < 8, up[8p + c - 8][kk] for c >= 8. */
-void tandem_gemm_pack_gated_f32(const float *gate, const float *up, int64_t n, int64_t k,
-                                float *packed) {
-    const int half = NR / 2;
-    int64_t panels = (n + half - 1) / half;
-#pragma omp parallel for schedule(static)
-    for (int64_t p = 0; p < panels; p++)
-        for (int c = 0; c < NR; c++) {
-            int64_t j = p * half + c % half;
-            const float *src = c < half ? gate : up;
-            float *dst = packed + p * k * NR + c;
-            for (int64_t kk = 0; kk < k; kk++) dst[kk * NR] = j < n ? src[j * k + kk] : 0.0f;
-        }
+#define PACK_GATED(name, T)                                                                \
+    void name(const T *gate, const T *up, int64_t n, int64_t k, T *packed) {              \
+        const int half = NR / 2;                                                           \
+        int64_t panels = (n + half - 1) / half;                                            \
+        _Pragma("omp parallel for schedule(static)") for (int64_t p = 0; p < panels; p++)  \
+            for (int c = 0; c < NR; c++) {                                                 \
+                int64_t j = p * half + c % half;                                           \
+                const T *src = c < half ? gate : up;                                       \
+                T *dst = packed + p * k * NR + c;                                          \
+                for (int64_t kk = 0; kk < k; kk++) dst[kk * NR] = j < n ? src[j * k + kk] : 0; \
+            }                                                                              \
+    }
+PACK_GATED(tandem_gemm_pack_gated_f32, float)
+PACK_GATED(tandem_gemm_pack_gated_bf16, uint16_t)
+
+/* Eight bfloat16 values widened to float32 (exact: the high half of each float). */
+static inline __m256 widen8(const uint16_t *p) {
+    __m128i h = _mm_loadu_si128((const __m128i *)p);
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
 }
 
 /* e^x for x in [-87, 88] (clamped), eight at a time: x = n ln2 + r, e^r by its Taylor
@@ -138,10 +154,13 @@ static inline void store_row(float *dst, __m256 lo, __m256 hi, const Epilogue *e
  * partial: the tile's running sums (rows x 16), read unless first, written unless e.
  * Named accumulators, not arrays: GCC keeps an array of vectors in memory. */
 #define EACH_ROW(X) X(0) X(1) X(2) X(3) X(4) X(5)
-static inline __attribute__((always_inline)) void tile(const int rows, const float *a,
-                                                       int64_t lda, const float *b, int64_t kc,
+static inline __attribute__((always_inline)) void tile(const int rows, const int w16,
+                                                       const float *a, int64_t lda,
+                                                       const void *b, int64_t kc,
                                                        float *partial, int first,
                                                        const Epilogue *e) {
+    const float *bf = (const float *)b;
+    const uint16_t *bh = (const uint16_t *)b;
 #define START(r)                                                                           \
     __m256 lo##r = _mm256_setzero_ps(), hi##r = _mm256_setzero_ps();                       \
     const float *a##r = a + (r < rows ? r : 0) * lda;                                      \
@@ -151,7 +170,8 @@ static inline __attribute__((always_inline)) void tile(const int rows, const flo
     }
     EACH_ROW(START)
     for (int64_t kk = 0; kk < kc; kk++) {
-        __m256 b0 = _mm256_load_ps(b + kk * NR), b1 = _mm256_load_ps(b + kk * NR + 8);
+        __m256 b0 = w16 ? widen8(bh + kk * NR) : _mm256_load_ps(bf + kk * NR);
+        __m256 b1 = w16 ? widen8(bh + kk * NR + 8) : _mm256_load_ps(bf + kk * NR + 8);
 #define STEP(r)                                                                            \
     if (r < rows) {                                                                        \
         __m256 av = _mm256_broadcast_ss(a##r + kk);                                        \
@@ -175,22 +195,27 @@ static inline __attribute__((always_inline)) void tile(const int rows, const flo
 #undef FINISH
 }
 
-static void any_tile(int rows, const float *a, int64_t lda, const float *b, int64_t kc,
-                     float *partial, int first, const Epilogue *e) {
-    switch (rows) {
-    case 6: tile(6, a, lda, b, kc, partial, first, e); break;
-    case 5: tile(5, a, lda, b, kc, partial, first, e); break;
-    case 4: tile(4, a, lda, b, kc, partial, first, e); break;
-    case 3: tile(3, a, lda, b, kc, partial, first, e); break;
-    case 2: tile(2, a, lda, b, kc, partial, first, e); break;
-    default: tile(1, a, lda, b, kc, partial, first, e); break;
+#define ANY_TILE(name, w16)                                                                \
+    static void name(int rows, const float *a, int64_t lda, const void *b, int64_t kc,    \
+                     float *partial, int first, const Epilogue *e) {                      \
+        switch (rows) {                                                                    \
+        case 6: tile(6, w16, a, lda, b, kc, partial, first, e); break;                     \
+        case 5: tile(5, w16, a, lda, b, kc, partial, first, e); break;                     \
+        case 4: tile(4, w16, a, lda, b, kc, partial, first, e); break;                     \
+        case 3: tile(3, w16, a, lda, b, kc, partial, first, e); break;                     \
+        case 2: tile(2, w16, a, lda, b, kc, partial, first, e); break;                     \
+        default: tile(1, w16, a, lda, b, kc, partial, first, e); break;                    \
+        }                                                                                  \
     }
-}
+ANY_TILE(any_tile_f32, 0)
+ANY_TILE(any_tile_bf16, 1)
 
 /* One thread's panels [p0, p1) for every row. out_per_panel: output columns a panel
  * yields (16 PLAIN, 8 GATED); n: valid output columns in all. */
-static void run_panels(const float *x, int64_t m, int64_t k, const float *packed, int64_t n,
-                       const float *bias, float *y, int mode, int64_t p0, int64_t p1) {
+static void run_panels(const float *x, int64_t m, int64_t k, const void *packed, int64_t n,
+                       const float *bias, float *y, int mode, int w16, int64_t p0,
+                       int64_t p1) {
+    const int64_t width = w16 ? 2 : 4; /* bytes a packed weight value */
     float partial[MC * NR] __attribute__((aligned(64)));
     float bias_pad[NR] __attribute__((aligned(64)));
     const int out_per_panel = mode == GATED ? NR / 2 : NR;
@@ -208,13 +233,13 @@ static void run_panels(const float *x, int64_t m, int64_t k, const float *packed
             }
             for (int64_t k0 = 0; k0 < k; k0 += KC) {
                 int64_t kc = k - k0 < KC ? k - k0 : KC;
-                const float *b = packed + (p * k + k0) * NR;
+                const char *b = (const char *)packed + (p * k + k0) * NR * width;
                 /* the slice after this one (this panel's next, else the next panel's first;
                  * contiguous either way), nothing past this thread's last panel */
                 int64_t next_kc = k0 + kc < k ? k - k0 - kc : p + 1 < p1 ? k : 0;
                 if (next_kc > KC) next_kc = KC;
-                const char *next = (const char *)(b + kc * NR);
-                int64_t next_lines = next_kc * NR * (int64_t)sizeof(float) / LINE;
+                const char *next = b + kc * NR * width;
+                int64_t next_lines = next_kc * NR * width / LINE;
                 int64_t per_tile = (next_lines + tiles - 1) / tiles;
                 int last = k0 + kc >= k;
                 for (int64_t t = 0; t < tiles; t++) {
@@ -223,16 +248,17 @@ static void run_panels(const float *x, int64_t m, int64_t k, const float *packed
                     int64_t r0 = t * MR;
                     int rows = mc - r0 < MR ? (int)(mc - r0) : MR;
                     Epilogue e = {y + (m0 + r0) * n + col0, n, cols, panel_bias, mode};
-                    any_tile(rows, x + (m0 + r0) * k + k0, k, b, kc, partial + r0 * NR,
-                             k0 == 0, last ? &e : NULL);
+                    (w16 ? any_tile_bf16 : any_tile_f32)(rows, x + (m0 + r0) * k + k0, k, b,
+                                                         kc, partial + r0 * NR, k0 == 0,
+                                                         last ? &e : NULL);
                 }
             }
         }
     }
 }
 
-static void gemm(const float *x, int64_t m, int64_t k, const float *packed, int64_t n,
-                 const float *bias, float *y, int mode, int threads) {
+static void gemm(const float *x, int64_t m, int64_t k, const void *packed, int64_t n,
+                 const float *bias, float *y, int mode, int w16, int threads) {
     int64_t out_per_panel = mode == GATED ? NR / 2 : NR;
     int64_t panels = (n + out_per_panel - 1) / out_per_panel;
     if (panels == 0) return;
@@ -245,20 +271,33 @@ static void gemm(const float *x, int64_t m, int64_t k, const float *packed, int6
         t = omp_get_thread_num();
         nt = omp_get_num_threads();
 #endif
-        run_panels(x, m, k, packed, n, bias, y, mode, panels * t / nt, panels * (t + 1) / nt);
+        run_panels(x, m, k, packed, n, bias, y, mode, w16, panels * t / nt,
+                   panels * (t + 1) / nt);
     }
 }
 
 /* y[m, n] = x[m, k] @ W^T + bias (bias may be NULL); packed by tandem_gemm_pack_f32. */
 void tandem_gemm_f32(const float *x, int64_t m, int64_t k, const float *packed, int64_t n,
                      const float *bias, float *y, int threads) {
-    gemm(x, m, k, packed, n, bias, y, PLAIN, threads);
+    gemm(x, m, k, packed, n, bias, y, PLAIN, 0, threads);
 }
 
 /* y[m, n] = silu(x @ gate^T) * (x @ up^T); packed by tandem_gemm_pack_gated_f32. */
 void tandem_gemm_gated_f32(const float *x, int64_t m, int64_t k, const float *packed, int64_t n,
                            float *y, int threads) {
-    gemm(x, m, k, packed, n, NULL, y, GATED, threads);
+    gemm(x, m, k, packed, n, NULL, y, GATED, 0, threads);
+}
+
+/* As tandem_gemm_f32, over panels packed by tandem_gemm_pack_bf16. */
+void tandem_gemm_bf16w(const float *x, int64_t m, int64_t k, const uint16_t *packed, int64_t n,
+                       const float *bias, float *y, int threads) {
+    gemm(x, m, k, packed, n, bias, y, PLAIN, 1, threads);
+}
+
+/* As tandem_gemm_gated_f32, over panels packed by tandem_gemm_pack_gated_bf16. */
+void tandem_gemm_gated_bf16w(const float *x, int64_t m, int64_t k, const uint16_t *packed,
+                             int64_t n, float *y, int threads) {
+    gemm(x, m, k, packed, n, NULL, y, GATED, 1, threads);
 }
 
 /* A mixture of experts' products in one call: rows [offsets[e], offsets[e + 1]) of x
@@ -285,7 +324,7 @@ static void grouped(const float *x, const int64_t *offsets, int64_t experts, int
             int64_t r0 = offsets[e], rows = offsets[e + 1] - offsets[e];
             if (rows > 0)
                 run_panels(x + r0 * k, rows, k, packed + e * stride, n, NULL, y + r0 * n, mode,
-                           panels * t / nt, panels * (t + 1) / nt);
+                           0, panels * t / nt, panels * (t + 1) / nt);
         }
     }
 }
