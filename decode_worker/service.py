@@ -240,9 +240,10 @@ class DecodeService(worker_pb2_grpc.DecodeWorkerServicer):
     async def Migrate(
         self, request: worker_pb2.MigrateRequest, context: grpc.aio.ServicerContext
     ) -> worker_pb2.MigrateResponse:
-        if not request.request_ids and not request.num_blocks:
+        if not request.request_ids and not request.num_blocks and not request.num_streams:
             await context.abort(
-                grpc.StatusCode.INVALID_ARGUMENT, "name request_ids or a num_blocks to free"
+                grpc.StatusCode.INVALID_ARGUMENT,
+                "name request_ids, or a num_blocks to free or a num_streams to move",
             )
         cause = request.cause or worker_pb2.MIGRATION_CAUSE_REQUESTED
         if cause not in CAUSE_NAMES:
@@ -250,10 +251,10 @@ class DecodeService(worker_pb2_grpc.DecodeWorkerServicer):
         held = await self._blocks_held()
         if request.request_ids:
             chosen = [rid for rid in request.request_ids if rid in self._live]
-        else:  # the fewest streams that free enough: the largest first
+        else:  # the fewest streams that free enough (and are enough): the largest first
             chosen, total = [], 0
             for rid in sorted(held, key=held.__getitem__, reverse=True):
-                if total >= request.num_blocks:
+                if total >= request.num_blocks and len(chosen) >= request.num_streams:
                     break
                 chosen.append(rid)
                 total += held[rid]

@@ -88,8 +88,8 @@ class RouterOptions:
     tool_call_parser: str | None = None
     """How ``tool_choice: auto`` finds calls in the output (``None``: auto is refused)."""
     rebalance: RebalanceConfig = RebalanceConfig()
-    """Moving streams off a decode worker whose KV pool is fuller than its peers' (off by
-    default: ``interval_s`` 0)."""
+    """Moving streams off a decode worker whose KV pool or batch is fuller than its
+    peers' (off by default: ``interval_s`` 0)."""
 
 
 @dataclass

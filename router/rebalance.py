@@ -3,11 +3,13 @@
 Routing places a stream once, on the load it saw then; streams then live for minutes
 and grow, so one decode worker's KV pool can fill (and its steps slow) while a peer's
 sits half empty. Every ``interval_s`` the rebalancer reads the decode pool's loads
-(from the registry's heartbeats) and, when the fullest worker's KV usage exceeds the
-emptiest's by at least ``gap`` and is itself at least ``min_usage``, asks it to hand
-over enough streams to close half the gap (``Migrate`` with ``num_blocks``): the worker
-picks its largest streams, and the router sends each to the decode policy's choice,
-which pulls its KV there.
+(from the registry's heartbeats): a worker's *usage* is the larger of its KV pool's
+share held by requests and its running sequences' share of ``max_num_seqs`` (what makes
+its steps slow: the batch it computes). When the fullest worker's usage exceeds the
+emptiest's by at least ``gap`` and is itself at least ``min_usage``, it is asked to hand
+over enough streams to close half the gap (``Migrate`` with ``num_blocks`` and
+``num_streams``): the worker picks its largest streams, and the router sends each to the
+decode policy's choice, which pulls its KV there.
 
 Hysteresis, so streams do not bounce: after a move the rebalancer stays disarmed until
 the gap has fallen below ``gap / 2`` or ``cooldown_s`` has passed, and a worker that
@@ -61,18 +63,31 @@ class RebalanceConfig:
 
 @dataclass(frozen=True)
 class Move:
-    """Ask ``source`` to hand over streams holding ``num_blocks`` KV blocks."""
+    """Ask ``source`` to hand over streams holding ``num_blocks`` KV blocks, and at least
+    ``num_streams`` of them."""
 
     source: str
     num_blocks: int
+    num_streams: int
     gap: float
     """The usage gap that triggered it (for the log)."""
 
 
-def usage(record: WorkerRecord) -> float:
+def kv_usage(record: WorkerRecord) -> float:
     """The share of the worker's KV pool that requests hold."""
     total = record.info.capacity.num_kv_blocks
     return (total - record.load.free_kv_blocks) / total if total else 0.0
+
+
+def batch_usage(record: WorkerRecord) -> float:
+    """Its running sequences' share of the most it batches."""
+    most = record.info.capacity.max_num_seqs
+    return record.load.num_running_seqs / most if most else 0.0
+
+
+def usage(record: WorkerRecord) -> float:
+    """How full the worker is: its KV pool or its batch, whichever is fuller."""
+    return max(kv_usage(record), batch_usage(record))
 
 
 class Rebalancer:
@@ -105,8 +120,14 @@ class Rebalancer:
             return None
         if now - self._cooling.get(hot.info.worker_id, -c.cooldown_s) < c.cooldown_s:
             return None
-        num_blocks = max(1, int(gap / 2 * hot.info.capacity.num_kv_blocks))
-        return Move(hot.info.worker_id, num_blocks, gap)
+        # Half of each gap, in its own unit: blocks of KV, sequences of batch.
+        kv_gap = kv_usage(hot) - kv_usage(cold)
+        batch_gap = batch_usage(hot) - batch_usage(cold)
+        num_blocks = max(0, int(kv_gap / 2 * hot.info.capacity.num_kv_blocks))
+        num_streams = max(0, int(batch_gap / 2 * hot.info.capacity.max_num_seqs))
+        if not num_blocks and not num_streams:
+            num_streams = 1
+        return Move(hot.info.worker_id, num_blocks, num_streams, gap)
 
     def moved(self, move: Move, workers: Sequence[WorkerRecord], now: float) -> None:
         """Record that ``move`` happened: disarm, and cool the source and the emptiest."""
@@ -136,7 +157,9 @@ class Rebalancer:
             return None
         response = await self.clients.decode(record).Migrate(
             worker_pb2.MigrateRequest(
-                num_blocks=move.num_blocks, cause=worker_pb2.MIGRATION_CAUSE_REBALANCE
+                num_blocks=move.num_blocks,
+                num_streams=move.num_streams,
+                cause=worker_pb2.MIGRATION_CAUSE_REBALANCE,
             ),
             timeout=10.0,
         )

@@ -310,7 +310,7 @@ def test_migrate_refuses_a_request_that_names_nothing(make_cluster):
         with pytest.raises(grpc.RpcError) as err:
             stub.Migrate(worker_pb2.MigrateRequest(), timeout=10)
         assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-        assert "request_ids or a num_blocks" in err.value.details()
+        assert "request_ids, or a num_blocks" in err.value.details()
         unknown = stub.Migrate(worker_pb2.MigrateRequest(request_ids=["nobody"]), timeout=10)
         assert list(unknown.request_ids) == [] and unknown.num_blocks == 0
 

@@ -17,10 +17,10 @@ from tandem.router.rebalance import Move, RebalanceConfig, Rebalancer
 CONFIG = RebalanceConfig(interval_s=1.0, gap=0.25, min_usage=0.5, cooldown_s=10.0)
 
 
-def decode(worker_id: str, used: int, blocks: int = 100) -> WorkerRecord:
+def decode(worker_id: str, used: int, blocks: int = 100, running: int = 1) -> WorkerRecord:
     capacity = WorkerCapacity(num_kv_blocks=blocks, block_size=16, max_num_seqs=8)
     info = WorkerInfo(worker_id, WorkerRole.DECODE, f"{worker_id}:1", "m", capacity)
-    return WorkerRecord(info, WorkerLoad(blocks - used, 1, 0, 0))
+    return WorkerRecord(info, WorkerLoad(blocks - used, running, 0, 0))
 
 
 def rebalancer(config: RebalanceConfig = CONFIG) -> Rebalancer:
@@ -30,7 +30,7 @@ def rebalancer(config: RebalanceConfig = CONFIG) -> Rebalancer:
 def test_a_wide_gap_on_a_full_worker_moves_half_of_it() -> None:
     r = rebalancer()
     move = r.plan([decode("a", 90), decode("b", 30), decode("c", 50)], now=0.0)
-    assert move == Move("a", 30, pytest.approx(0.6))  # half of (0.9 - 0.3) of 100 blocks
+    assert move == Move("a", 30, 0, pytest.approx(0.6))  # half of (0.9 - 0.3) of 100 blocks
 
 
 def test_usage_is_a_share_of_each_pool() -> None:
@@ -39,6 +39,14 @@ def test_usage_is_a_share_of_each_pool() -> None:
     move = r.plan([decode("big", 120, blocks=400), decode("small", 80)], now=0.0)
     assert move is not None and move.source == "small"
     assert move.num_blocks == int((0.8 - 0.3) / 2 * 100)
+
+
+def test_a_full_batch_counts_like_a_full_pool() -> None:
+    """Short sequences hold little KV but fill the batch (and slow its steps): 7 of 8
+    running against 1 is a gap of 0.75, closed by half in sequences."""
+    r = rebalancer()
+    move = r.plan([decode("a", 20, running=7), decode("b", 10, running=1)], now=0.0)
+    assert move == Move("a", 5, 3, pytest.approx(0.75))  # KV gap 0.1 -> 5 blocks too
 
 
 @pytest.mark.parametrize(
@@ -67,7 +75,9 @@ def test_after_a_move_it_waits_for_the_gap_to_close_or_the_cooldown() -> None:
     assert r.plan([decode("a", 62), decode("b", 55)], now=2.0) is None
     # It reopens: a was the source, so it stays out until its cooldown ends.
     assert r.plan([decode("a", 90), decode("b", 30)], now=3.0) is None
-    assert r.plan([decode("a", 90), decode("b", 30)], now=10.5) == Move("a", 30, pytest.approx(0.6))
+    assert r.plan([decode("a", 90), decode("b", 30)], now=10.5) == Move(
+        "a", 30, 0, pytest.approx(0.6)
+    )
 
 
 def test_a_gap_that_stays_open_is_acted_on_again_after_the_cooldown() -> None:

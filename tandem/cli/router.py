@@ -85,14 +85,15 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     )
     rebalance = router.add_argument_group(
         "rebalancing",
-        "Move running streams, with their KV, off a decode worker whose KV pool is fuller "
-        "than its peers' (live migration; docs/routing.md#rebalancing).",
+        "Move running streams, with their KV, off a decode worker whose KV pool or batch is "
+        "fuller than its peers' (live migration; docs/routing.md#rebalancing).",
     )
     rebalance.add_argument(
         "--rebalance-interval",
         type=float,
         default=0.0,
-        help="seconds between comparisons of the decode workers' KV usage (default: 0, off)",
+        help="seconds between comparisons of the decode workers' KV and batch usage "
+        "(default: 0, off)",
     )
     rebalance.add_argument(
         "--rebalance-gap",
