@@ -208,8 +208,10 @@ class Orchestrator:
         worker that will run it: short prompts, and — conditional disaggregation — prompts
         whose context a decode worker already holds more of than any prefill worker
         (a multi-turn conversation's earlier answers live only where they were decoded),
-        with at most ``max_local_prefill_tokens`` left to compute there: prefilling those
-        few tokens where the rest already is beats a prefill worker recomputing the
+        with at most ``max_local_prefill_tokens`` left to compute there and no more work
+        to wait for than the remote way: the tokens left plus that worker's queued prefill
+        against the prefill pool's uncached tokens plus its shortest queue. Prefilling the
+        few new tokens where the rest already is beats a prefill worker recomputing the
         answers and a pull of the whole prompt."""
         if request.num_prompt_tokens < self.config.disaggregation_min_tokens:
             self.metrics.local_prefill("short")
@@ -221,25 +223,34 @@ class Orchestrator:
             or not self.decode_policy.uses_prefix_match
         ):
             return True
-        held = {WorkerRole.PREFILL: 0, WorkerRole.DECODE: 0}
         suspects = self.suspects.current()
+        decode_pool = self.pools.view(WorkerRole.DECODE, suspects)
+        prefill_pool = self.pools.view(WorkerRole.PREFILL, suspects)
+        holder, held, prefill_held = None, 0, 0
         for worker_id, blocks in self.indexer.overlap(routing.block_hashes).items():
-            record = self.watcher.get(worker_id)
-            if record is not None and worker_id not in suspects:
-                role = record.info.role
-                held[role] = max(held[role], blocks)
-        block_size = self._block_size() or 0
-        left = request.num_prompt_tokens - held[WorkerRole.DECODE] * block_size
-        if held[WorkerRole.DECODE] > held[WorkerRole.PREFILL] and (
-            left <= self.config.max_local_prefill_tokens
-        ):
-            self.metrics.local_prefill("cached_on_decode")
-            trace.span.add_event(
-                "prefill on the decode worker",
-                {"tandem.cached_on_decode_tokens": held[WorkerRole.DECODE] * block_size},
-            )
-            return False
-        return True
+            if prefill_pool.get(worker_id) is not None:
+                prefill_held = max(prefill_held, blocks)
+            elif decode_pool.get(worker_id) is not None and blocks > held:
+                holder, held = decode_pool.get(worker_id), blocks
+        if holder is None or held <= prefill_held:
+            return True
+        block_size = holder.info.capacity.block_size
+        left = request.num_prompt_tokens - held * block_size
+        remote = request.num_prompt_tokens - prefill_held * block_size
+        idlest = prefill_pool.cheapest(1)
+        prefill_queue = idlest[0].load.num_queued_prefill_tokens if idlest else 0
+        local_wait = left + holder.load.num_queued_prefill_tokens
+        if left > self.config.max_local_prefill_tokens or local_wait > remote + prefill_queue:
+            return True
+        self.metrics.local_prefill("cached_on_decode")
+        trace.span.add_event(
+            "prefill on the decode worker",
+            {
+                "tandem.worker": holder.info.worker_id,
+                "tandem.cached_on_decode_tokens": held * block_size,
+            },
+        )
+        return False
 
     async def _prefill(
         self,
