@@ -25,7 +25,7 @@ import pytest
 from tandem.cli.launcher import ClusterSpec, LocalCluster
 from tandem.common.client import AsyncGenerationClient, build_request
 from tandem.common.metrics import Scrape
-from tandem.common.sampling_params import StructuredKind, StructuredOutput
+from tandem.common.sampling_params import SpeculativeOptions, StructuredKind, StructuredOutput
 from tandem.engine import LLM, SamplingParams
 from tandem.protos import common_pb2, worker_pb2, worker_pb2_grpc
 from tests.cluster_util import free_port, worker_status
@@ -229,7 +229,16 @@ def test_migrate_moves_speculative_and_structured_streams_unchanged(make_cluster
     structured = common_pb2.SamplingParams(
         max_tokens=150, temperature=0, structured=common_pb2.StructuredOutput(regex=REGEX)
     )
-    seeded = common_pb2.SamplingParams(max_tokens=150, temperature=0.8, seed=4, ignore_eos=True)
+    # A seeded, sampled stream that speculates draws a varying amount of noise per token
+    # and would continue on a different (equally valid) random path after any move; one
+    # that does not speculate continues exactly.
+    seeded = common_pb2.SamplingParams(
+        max_tokens=150,
+        temperature=0.8,
+        seed=4,
+        ignore_eos=True,
+        speculative=common_pb2.SpeculativeParams(enabled=False),
+    )
     requests = [
         (prompts[0], structured),
         (prompts[1], seeded),
@@ -246,7 +255,14 @@ def test_migrate_moves_speculative_and_structured_streams_unchanged(make_cluster
             ),
         ),
         offline.generate(
-            [prompts[1]], SamplingParams(max_tokens=150, temperature=0.8, seed=4, ignore_eos=True)
+            [prompts[1]],
+            SamplingParams(
+                max_tokens=150,
+                temperature=0.8,
+                seed=4,
+                ignore_eos=True,
+                speculative=SpeculativeOptions(enabled=False),
+            ),
         ),
         offline.generate(
             prompts[2:], SamplingParams(max_tokens=150, temperature=0, ignore_eos=True)
