@@ -132,6 +132,54 @@ class RequestTrace:
     decode attempt are traced under it."""
 
 
+@dataclass
+class _Moves:
+    """Where a decode stream has been: what its next pick avoids and the KV it carries."""
+
+    handle: worker_pb2.KVHandle | None
+    """The KV the next worker pulls: the prefill's, or the last hand-over's."""
+    tried: set[str] = field(default_factory=set)
+    """Workers the stream failed or stalled on."""
+    last: str | None = None
+    """The worker the stream just left, for any reason."""
+    failures: int = 0
+    handovers: int = 0
+
+    def exhausted(self, max_failures: int) -> bool:
+        return self.failures >= max_failures or self.handovers > MAX_HANDOVERS
+
+    def excludes(self, suspects: frozenset[str] | set[str]) -> tuple[set[str], ...]:
+        """Exclusion sets to pick with, the first that leaves anyone winning: an untried
+        worker first, never the one just left while another can take the stream; once
+        every one was tried, one still registered may take it again (a stream can fail
+        while its worker is fine), another than the one just left if possible. Suspects
+        only when nothing else is left."""
+        just_left = {self.last} if self.last is not None else self.tried
+        tried = self.tried
+        return (
+            tried | just_left | suspects,
+            just_left | suspects,
+            set(suspects),
+            tried,
+            just_left,
+            set(),
+        )
+
+    def left(self, worker_id: str, moved: worker_pb2.DecodeResponse | None, why: str | None) -> str:
+        """The stream left ``worker_id``: handed over with ``moved`` (the next worker
+        pulls the KV it names), or failed for ``why`` (the next one recomputes prompt and
+        tokens). Returns the cause, a metric label."""
+        self.last = worker_id
+        if moved is not None:
+            self.handovers += 1
+            self.handle = moved.handoff if moved.HasField("handoff") else None
+            return MIGRATION_CAUSES.get(moved.migration_cause, "requested")
+        self.failures += 1
+        self.tried.add(worker_id)
+        self.handle = None
+        return "stall" if why is not None and why.startswith("stalled") else "failure"
+
+
 @dataclass(frozen=True)
 class _Pick:
     worker: WorkerRecord
@@ -344,26 +392,11 @@ class Orchestrator:
         trace: RequestTrace,
         deadline: float | None,
     ) -> AsyncIterator[TokenChunk]:
-        tried: set[str] = set()  # workers a stream failed or stalled on
-        last: str | None = None  # the worker the stream just left, for any reason
-        failures = handovers = 0
+        moves = _Moves(handle)
         for attempt in itertools.count():
-            if failures >= self.config.max_decode_attempts or handovers > MAX_HANDOVERS:
+            if moves.exhausted(self.config.max_decode_attempts):
                 break
-            # An untried worker first, never the one just left while another can take
-            # it; once every one was tried, one still registered may take the stream
-            # again (a stream can fail while its worker is fine), another than the one
-            # just left if possible. Suspects only when nothing else is left.
-            suspects = self.suspects.current()
-            just_left = {last} if last is not None else tried
-            excludes = (
-                tried | just_left | suspects,
-                just_left | suspects,
-                suspects,
-                tried,
-                just_left,
-                set(),
-            )
+            excludes = moves.excludes(self.suspects.current())
             pick = self._pick_first(
                 WorkerRole.DECODE, self.decode_policy, routing, excludes, trace.span
             )
@@ -375,13 +408,16 @@ class Orchestrator:
             ticket = self.pools.begin_decode(
                 worker.info.worker_id, -(-num_tokens // worker.info.capacity.block_size)
             )
-            message = _decode_message(request, produced, handle, attempt)
+            message = _decode_message(request, produced, moves.handle, attempt)
             span = _call_span(
                 "tandem.router.decode",
                 trace,
                 worker,
                 attempt,
-                {"tandem.kv_handle": handle is not None, "tandem.resumed_tokens": len(produced)},
+                {
+                    "tandem.kv_handle": moves.handle is not None,
+                    "tandem.resumed_tokens": len(produced),
+                },
             )
             call = self.clients.decode(worker).Decode(
                 message, timeout=_remaining(deadline), metadata=tracing.metadata(span)
@@ -428,26 +464,17 @@ class Orchestrator:
                 call.cancel()
                 self.pools.end(ticket)
                 _end_call_span(span, why, len(produced))
-            last = worker.info.worker_id
-            if moved is not None:  # handed over: the next worker pulls the KV it names
-                handovers += 1
-                handle = moved.handoff if moved.HasField("handoff") else None
-                cause = MIGRATION_CAUSES.get(moved.migration_cause, "requested")
-            else:  # failed: the next worker recomputes prompt + produced tokens itself
-                failures += 1
-                tried.add(worker.info.worker_id)
-                handle = None
-                cause = "stall" if why is not None and why.startswith("stalled") else "failure"
+            cause = moves.left(worker.info.worker_id, moved, why)
             trace.span.add_event(
                 "decode migration",
                 {
                     "tandem.from_worker": worker.info.worker_id,
                     "tandem.reason": why or cause,
                     "tandem.cause": cause,
-                    "tandem.with_kv": handle is not None,
+                    "tandem.with_kv": moves.handle is not None,
                 },
             )
-            self.metrics.migrated(cause, handle is not None)
+            self.metrics.migrated(cause, moves.handle is not None)
         log.warning(
             "request %s: no decode worker left to try (tried %s)",
             request.request_id,
