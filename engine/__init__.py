@@ -50,6 +50,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from tandem.common.lora import LoRARequest
 from tandem.common.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -58,7 +59,15 @@ if TYPE_CHECKING:
     from tandem.engine.llm_engine import LLMEngine
     from tandem.engine.outputs import RequestDelta, RequestOutput
 
-__all__ = ["LLM", "EngineConfig", "LLMEngine", "RequestDelta", "RequestOutput", "SamplingParams"]
+__all__ = [
+    "LLM",
+    "EngineConfig",
+    "LLMEngine",
+    "LoRARequest",
+    "RequestDelta",
+    "RequestOutput",
+    "SamplingParams",
+]
 
 _LAZY = {
     "LLM": "tandem.engine.llm",

@@ -8,6 +8,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from tandem.common.lora import DEFAULT_MAX_LORA_RANK, DEFAULT_MAX_LORAS
 from tandem.common.model_config import ModelConfig
 from tandem.common.sampling_params import MAX_SPECULATIVE_TOKENS, SpecMethod
 from tandem.engine.attention.base import (
@@ -23,6 +24,7 @@ from tandem.engine.layers.linear import (
     select_linear_backend,
 )
 from tandem.engine.layers.moe import ExpertSplit
+from tandem.engine.lora.manager import LoRAConfig
 from tandem.engine.quantization.checkpoint import stored_quantization
 from tandem.engine.quantization.scheme import (
     DEFAULT_GROUP_SIZE,
@@ -115,6 +117,16 @@ class EngineConfig:
     prompt's included, as a decode over its own keys). A recomputed failover, a
     preemption and speculation then give bitwise the tokens of an undisturbed run.
     CPU only; computes in float32 whatever the checkpoint's dtype."""
+    enable_lora: bool = False
+    """Serve LoRA adapters (PEFT format) beside the base model: requests name one
+    (``lora_request``), one batch mixes the base and up to ``max_loras`` adapters
+    (``engine/lora``)."""
+    max_loras: int = DEFAULT_MAX_LORAS
+    """Distinct adapters one batch may mix (slots in every adapted layer)."""
+    max_lora_rank: int = DEFAULT_MAX_LORA_RANK
+    """The largest adapter rank accepted (sizes the slots)."""
+    max_cpu_loras: int | None = None
+    """Adapters kept read in CPU memory (>= ``max_loras``); ``None``: ``max_loras``."""
 
     @property
     def expert_split(self) -> ExpertSplit:
@@ -185,10 +197,18 @@ class EngineConfig:
             raise ValueError("quantize_lm_head needs quantization (int8 or int4)")
         if self.quantize_lm_head and self.tensor_parallel_size > 1:
             raise ValueError("quantize_lm_head is not supported with tensor_parallel_size > 1")
+        if self.enable_lora:
+            self.lora_config()  # raises on bad limits
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(
                 f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}"
             )
+
+    def lora_config(self) -> LoRAConfig | None:
+        """The adapter limits when ``enable_lora``, else ``None``."""
+        if not self.enable_lora:
+            return None
+        return LoRAConfig(self.max_loras, self.max_lora_rank, self.max_cpu_loras)
 
     def quantization_config(self) -> QuantizationConfig | None:
         """The requested quantization, or ``None``; ``ValueError`` naming the field."""

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from tandem.common.hashing import BlockHash, hash_blocks
+from tandem.common.hashing import BlockHash, hash_blocks, root_hash
 from tandem.engine.block_pool import Block, BlockPool
 from tandem.engine.request import Request
 
@@ -111,7 +111,7 @@ class KVCacheManager:
         """Hashes of the request's full blocks, extended incrementally as tokens arrive."""
         hashes = self._hashes.setdefault(request.request_id, [])
         if (len(hashes) + 1) * self.block_size <= request.num_tokens:
-            parent = hashes[-1] if hashes else None
+            parent = hashes[-1] if hashes else root_hash(request.kv_namespace)
             hashes.extend(
                 hash_blocks(request.all_token_ids, self.block_size, parent, start_block=len(hashes))
             )

@@ -16,6 +16,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from tandem.common.generation_config import AUTO, load_sampling_defaults
+from tandem.common.lora import LoRARequest
 from tandem.common.sampling_params import SamplingParams
 from tandem.engine.config import EngineConfig
 from tandem.engine.llm_engine import LLMEngine
@@ -60,21 +61,27 @@ class LLM:
         prompts: Prompt | Sequence[Prompt],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         priority: Sequence[int] | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Run every prompt to completion; outputs come back in prompt order. Either all
         prompts are accepted or none is (a ``ValueError`` names the first bad one).
         ``sampling_params``: one for all prompts, one per prompt, or ``None``:
-        ``get_default_sampling_params()``."""
+        ``get_default_sampling_params()``. ``lora_request``: the adapter every prompt
+        runs under, or one per prompt (``None``: the base model); needs
+        ``LLM(..., enable_lora=True)``."""
         prompt_list = _as_prompt_list(prompts)
         if sampling_params is None:
             sampling_params = self._default_params
         params = _as_params_list(sampling_params, len(prompt_list))
         priorities = list(priority) if priority is not None else [0] * len(prompt_list)
+        adapters = _as_adapter_list(lora_request, len(prompt_list))
         outputs: dict[str, RequestOutput] = {}
         requests: dict[str, Request] = {}
         try:
-            for prompt, p, prio in zip(prompt_list, params, priorities, strict=True):
-                request = self.engine.add_request(prompt, p, priority=prio)
+            for prompt, p, prio, lora in zip(
+                prompt_list, params, priorities, adapters, strict=True
+            ):
+                request = self.engine.add_request(prompt, p, priority=prio, lora_request=lora)
                 requests[request.request_id] = request
                 outputs[request.request_id] = RequestOutput(
                     request.request_id,
@@ -116,6 +123,17 @@ def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
     if items and all(isinstance(t, int) for t in items):
         return [items]  # a single prompt given as token ids
     return [p if isinstance(p, str) else list(p) for p in items]
+
+
+def _as_adapter_list(
+    lora: LoRARequest | Sequence[LoRARequest | None] | None, n: int
+) -> list[LoRARequest | None]:
+    if lora is None or isinstance(lora, LoRARequest):
+        return [lora] * n
+    items = list(lora)
+    if len(items) != n:
+        raise ValueError(f"got {len(items)} lora_request entries for {n} prompts")
+    return items
 
 
 def _as_params_list(

@@ -19,13 +19,15 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from tandem.common.kv_events.events import KVCacheEvent
+from tandem.common.lora import LoRARequest
 from tandem.common.model_config import ModelConfig
-from tandem.common.sampling_params import SamplingParams
+from tandem.common.sampling_params import SamplingParams, SpecMethod
 from tandem.common.text_stream import TextStream
 from tandem.common.tokenizer import Tokenizer
 from tandem.engine.block_pool import BlockPool
 from tandem.engine.config import EngineConfig, EngineRuntime, fit_kv_pool, resolve_runtime
 from tandem.engine.kv_cache_manager import KVCacheManager
+from tandem.engine.lora.manager import LoRAManager
 from tandem.engine.model_runner import KVCacheLayout, ModelRunner
 from tandem.engine.outputs import EngineLoad, KVUsage, RequestDelta
 from tandem.engine.parallel.control import RankControl
@@ -105,6 +107,7 @@ def _model_runner(
         rt.quantization,
         config.expert_split,
         rt.batch_invariant,
+        config.lora_config(),
     )
 
 
@@ -167,6 +170,7 @@ class LLMEngine:
                 max_num_batched_tokens=rt.max_num_batched_tokens,
                 max_model_len=rt.max_model_len,
                 enable_chunked_prefill=config.enable_chunked_prefill,
+                max_loras=config.max_loras if config.enable_lora else 0,
             ),
             self.kv_cache,
             self.eos_token_ids,
@@ -214,6 +218,7 @@ class LLMEngine:
         output_token_ids: list[int] | None = None,
         prefill_mode: PrefillMode = PrefillMode.LOCAL,
         num_remote_tokens: int = 0,
+        lora_request: LoRARequest | str | None = None,
     ) -> Request:
         """Validate and queue a request; raises ``ValueError`` naming the bad field.
 
@@ -222,6 +227,8 @@ class LLMEngine:
         continues after them, and a seeded request continues its random sequence where
         they left it. ``num_remote_tokens`` (``REMOTE``): how many tokens the pulled KV
         covers, 0 for the prompt (a migration's covers all but the last token).
+        ``lora_request``: the adapter it runs under, by name (loaded already) or as a
+        ``LoRARequest`` (loaded now if new: ``add_lora``).
         """
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         if request_id in self.requests:
@@ -230,8 +237,10 @@ class LLMEngine:
         token_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         outputs = list(output_token_ids or [])
         self._validate(token_ids, outputs, params, prefill_mode, num_remote_tokens)
+        lora_name, namespace = self._adapter_of(lora_request, params)
         request = Request(request_id, token_ids, params, priority, prefill_mode, outputs)
         request.num_remote_tokens = num_remote_tokens or request.num_remote_tokens
+        request.lora_name, request.kv_namespace = lora_name, namespace
         if params.structured is not None:
             request.grammar = self.structured.matcher(params.structured, outputs)
         self.requests[request_id] = request
@@ -239,6 +248,60 @@ class LLMEngine:
             self.text_streams[request_id] = TextStream(self.tokenizer, params)
         self.scheduler.add(request)
         return request
+
+    # --- LoRA adapters -------------------------------------------------------------------
+
+    def add_lora(self, lora_request: LoRARequest) -> None:
+        """Load an adapter for requests to name (vLLM's ``add_lora``): read, checked
+        against the model and ``max_lora_rank``, kept in CPU memory until a batch needs
+        it. Safe to call from another thread while the engine steps; ``ValueError``
+        naming the adapter and the fault (nothing changes then)."""
+        self._lora_manager().add(lora_request)
+
+    def remove_lora(self, name: str) -> bool:
+        """Unload adapter ``name``; ``False`` if it is not loaded. Refused
+        (``ValueError``) while requests of it are unfinished."""
+        manager = self._lora_manager()
+        busy = sum(1 for r in self.requests.values() if r.lora_name == name)
+        if busy:
+            raise ValueError(f"LoRA adapter {name!r} has {busy} unfinished requests")
+        return manager.remove(name)
+
+    def list_loras(self) -> list[LoRARequest]:
+        """The adapters loaded (registered), in load order; empty without LoRA."""
+        return [] if self.runner.lora is None else self.runner.lora.registered()
+
+    def lora_namespace(self, name: str) -> str:
+        """The KV namespace of loaded adapter ``name`` (``tandem.common.lora``)."""
+        return self._lora_manager().namespace(name)
+
+    def _lora_manager(self) -> LoRAManager:
+        if self.runner.lora is None:
+            raise ValueError("LoRA adapters need an engine started with enable_lora=True")
+        return self.runner.lora
+
+    def _adapter_of(
+        self, lora_request: LoRARequest | str | None, params: SamplingParams
+    ) -> tuple[str | None, str]:
+        """A request's adapter name and KV namespace (``None``, ``""``: the base)."""
+        if lora_request is None:
+            return None, ""
+        manager = self._lora_manager()
+        if isinstance(lora_request, LoRARequest):
+            known = manager.get(lora_request.lora_name)
+            if known is None or known.lora_path != lora_request.lora_path:
+                manager.add(lora_request)
+            name = lora_request.lora_name
+        else:
+            name = lora_request
+            if manager.get(name) is None:
+                raise ValueError(f"LoRA adapter {name!r} is not loaded")
+        if params.speculative.method is SpecMethod.DRAFT:
+            raise ValueError(
+                "draft-model speculation does not run LoRA adapters (the draft model knows "
+                "only the base model); use the ngram method, or none"
+            )
+        return name, manager.namespace(name)
 
     def abort_request(self, request_id: str) -> bool:
         """Stop a request now and free its blocks; ``False`` if it is unknown or done."""

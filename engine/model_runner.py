@@ -7,6 +7,8 @@ backend, per-request random generators — and makes no policy decisions. One ca
 
 from __future__ import annotations
 
+import dataclasses
+import json
 from collections.abc import Collection, Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -15,6 +17,7 @@ from types import MappingProxyType
 import numpy as np
 import torch
 
+from tandem.common.lora import LoRARequest
 from tandem.common.model_config import ModelConfig
 from tandem.engine import hugepages
 from tandem.engine.attention.base import AttentionBackendKind, make_backend
@@ -23,8 +26,17 @@ from tandem.engine.layers.linear import LinearBackend, pack_linear_layers
 from tandem.engine.layers.moe import ExpertSplit
 from tandem.engine.layers.native_ops import native_ops_for, use_native_ops
 from tandem.engine.loader import load_model
+from tandem.engine.lora.adapter import LoadedAdapter
+from tandem.engine.lora.manager import LoRAConfig, LoRAManager
+from tandem.engine.lora.targets import scan_targets
 from tandem.engine.parallel.group import TensorParallelGroup
-from tandem.engine.parallel.plan import ForwardPlan, PlanChannel, PlanKind
+from tandem.engine.parallel.plan import (
+    ForwardPlan,
+    PlanChannel,
+    PlanKind,
+    decode_text,
+    encode_text,
+)
 from tandem.engine.quantization.scheme import QuantizationConfig
 from tandem.engine.sampler import RowGroup, Sampler, SamplingRow, TokenLogprobs
 from tandem.engine.scheduler import ScheduledChunk, SchedulerOutput
@@ -91,6 +103,7 @@ class ModelRunner:
         quantization: QuantizationConfig | None = None,
         expert_split: ExpertSplit = ExpertSplit.TENSOR,
         batch_invariant: bool = False,
+        lora: LoRAConfig | None = None,
     ) -> None:
         """``tp``: this rank's group when the model is split over ranks; ``layout``
         then describes this rank's heads. Rank 0 runs ``execute`` / ``last_logits`` and
@@ -98,7 +111,8 @@ class ModelRunner:
         ``quantization``: quantize the linear layers at load (a quantized checkpoint
         loads quantized regardless). ``expert_split``: how a mixture of experts splits
         over the ranks. ``batch_invariant``: every query row through the attention
-        kernel (``EngineConfig.batch_invariant``)."""
+        kernel (``EngineConfig.batch_invariant``). ``lora``: serve LoRA adapters
+        (``engine/lora``): every adaptable layer gets slots for ``max_loras`` of them."""
         self.device = device
         self.layout = layout
         self.eos_token_ids = eos_token_ids
@@ -107,11 +121,18 @@ class ModelRunner:
         self.model = load_model(
             model_dir, model_config, layout.dtype, device, self.tp, quantization, expert_split
         )
+        targets = None if lora is None else scan_targets(self.model, model_config)
         if linear_backend is not LinearBackend.TORCH:
-            pack_linear_layers(self.model, linear_backend)
+            # adapters add to gate and up before the activation: no fused gated MLP then
+            pack_linear_layers(self.model, linear_backend, fuse_gated_mlp=lora is None)
         native_ops = native_ops_for(device, layout.dtype)
         if native_ops is not None:
             use_native_ops(self.model, native_ops)
+        self.lora: LoRAManager | None = None
+        if lora is not None:
+            self.lora = LoRAManager(self.model, targets, lora, layout.dtype, device, self.tp)
+            if self._plans is not None:
+                self.lora.on_fill = self._fill_on_ranks
         self.kv_caches: list[torch.Tensor] = []
         self.backend = make_backend(
             backend,
@@ -145,6 +166,16 @@ class ModelRunner:
         if self._plans is not None:
             self._plans.send(PlanKind.UNPACK_KV, pull_id, np.asarray(block_ids))
 
+    def _fill_on_ranks(self, slot: int, adapter: LoadedAdapter) -> None:
+        """Rank 0: the other ranks put their slice of ``adapter`` in ``slot`` too."""
+        text = json.dumps(dataclasses.asdict(adapter.request))
+        self._plans.send(PlanKind.FILL_LORA, slot, encode_text(text))
+
+    def fill_lora_slot(self, slot: int, payload: np.ndarray) -> None:
+        """Ranks 1..N-1: what ``_fill_on_ranks`` sent."""
+        request = LoRARequest(**json.loads(decode_text(payload)))
+        self.lora.fill_from(slot, request)
+
     def stop_ranks(self) -> None:
         """Rank 0: tells the other ranks to leave their loop."""
         if self._plans is not None:
@@ -160,7 +191,7 @@ class ModelRunner:
         deterministic proposal, an entry for a chunk without drafts is ignored."""
         for request_id in step.finished_request_ids:
             self._generators.pop(request_id, None)
-        chunks = sorted(step.chunks, key=lambda c: c.num_tokens > 1)  # decodes first
+        chunks, lora_slots = self._order(step.chunks)
         sampling = [(i, c) for i, c in enumerate(chunks) if c.samples]
         masks = self._start_masks([c for _, c in sampling])  # filled during the forward
         ends = np.cumsum([c.num_tokens for c in chunks])
@@ -171,7 +202,7 @@ class ModelRunner:
             groups.append(RowGroup(len(rows), drafts, probs))
             rows.extend(self._sampling_rows(chunk))
             positions.extend(range(ends[i] - len(drafts) - 1, ends[i]))
-        logits = self._forward(chunks, positions)
+        logits = self._forward(chunks, positions, lora_slots)
         if logits is None:
             return RunnerOutput({}, {})
         if masks is not None:
@@ -212,18 +243,38 @@ class ModelRunner:
         position, ``[len(chunks), V]`` in the given order; no sampling (draft models)."""
         order = sorted(range(len(chunks)), key=lambda i: chunks[i].num_tokens > 1)
         ordered = [chunks[i] for i in order]
+        if self.lora is not None and any(c.request.lora_name for c in chunks):
+            raise RuntimeError("last_logits runs draft models, which serve no adapters")
         logits = self._forward(ordered, np.cumsum([c.num_tokens for c in ordered]) - 1)
         restore = torch.empty(len(order), dtype=torch.long)
         restore[torch.tensor(order)] = torch.arange(len(order))
         return logits[restore.to(self.device)]
 
+    def _order(
+        self, chunks: Sequence[ScheduledChunk]
+    ) -> tuple[list[ScheduledChunk], list[int] | None]:
+        """A step's chunks in forward order, decodes first (the attention metadata's
+        layout), and with adapters, by slot within each part (so each adapter's rows run
+        in a few contiguous runs); the slot of each chunk (-1: base), or ``None`` without
+        adapters. Fills the slots the step's adapters need."""
+        if self.lora is None:
+            return sorted(chunks, key=lambda c: c.num_tokens > 1), None
+        names = {c.request.lora_name for c in chunks} - {None}
+        where = self.lora.activate(names) if names else {}
+        slot = {id(c): where.get(c.request.lora_name, -1) for c in chunks}
+        ordered = sorted(chunks, key=lambda c: (c.num_tokens > 1, slot[id(c)]))
+        return ordered, [slot[id(c)] for c in ordered]
+
     def _forward(
-        self, chunks: list[ScheduledChunk], logit_rows: Sequence[int]
+        self,
+        chunks: list[ScheduledChunk],
+        logit_rows: Sequence[int],
+        lora_slots: Sequence[int] | None = None,
     ) -> torch.Tensor | None:
         """Runs ``chunks`` (writing their KV) and returns the logits of hidden rows
-        ``logit_rows`` (``None`` when there are none). The other ranks of a replica run
-        the same forward from its plan."""
-        plan = self._prepare(chunks, logit_rows)
+        ``logit_rows`` (``None`` when there are none). ``lora_slots``: each chunk's
+        adapter slot. The other ranks of a replica run the same forward from its plan."""
+        plan = self._prepare(chunks, logit_rows, lora_slots)
         if self._plans is not None:
             self._plans.send_forward(plan)
         return self.run_plan(plan)
@@ -235,12 +286,22 @@ class ModelRunner:
         self.backend.plan(meta)
         input_ids = torch.from_numpy(plan.input_ids).to(to)
         positions = torch.from_numpy(plan.positions).to(to)
+        if self.lora is not None:
+            slots = plan.lora_slots
+            if slots is None:
+                slots = np.full(len(plan.input_ids), -1, dtype=np.int64)
+            self.lora.set_batch(torch.from_numpy(slots).to(to))
         hidden = self.model(input_ids, positions, self.kv_caches, self.backend, meta)
         if not len(plan.logit_rows):
             return None
         return self.model.compute_logits(hidden[torch.from_numpy(plan.logit_rows).to(to)])
 
-    def _prepare(self, chunks: list[ScheduledChunk], logit_rows: Sequence[int]) -> ForwardPlan:
+    def _prepare(
+        self,
+        chunks: list[ScheduledChunk],
+        logit_rows: Sequence[int],
+        lora_slots: Sequence[int] | None = None,
+    ) -> ForwardPlan:
         bs = self.layout.block_size
         q_lens = np.fromiter((c.num_tokens for c in chunks), dtype=np.int64, count=len(chunks))
         starts = np.fromiter((c.start for c in chunks), dtype=np.int64, count=len(chunks))
@@ -267,6 +328,9 @@ class ModelRunner:
             query_start_loc=query_start_loc,
             logit_rows=np.asarray(logit_rows, dtype=np.int64),
             num_decodes=int((q_lens == 1).sum()),
+            lora_slots=None
+            if lora_slots is None
+            else np.repeat(np.asarray(lora_slots, dtype=np.int64), q_lens),
         )
 
     def _seeded_generator(self, seed: int, num_drawn: int) -> torch.Generator:

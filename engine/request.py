@@ -78,6 +78,11 @@ class Request:
     num_preemptions: int = 0
     num_remote_tokens: int = 0
     """``REMOTE``: how many tokens, from the first, the pulled KV covers (0: the prompt)."""
+    lora_name: str | None = None
+    """The LoRA adapter it runs under (``None``: the base model)."""
+    kv_namespace: str = ""
+    """The root of its block hashes: the adapter's (``tandem.common.lora.kv_namespace``),
+    empty for the base model, so KV is never shared across adapters."""
 
     def __post_init__(self) -> None:
         self.all_token_ids = [*self.prompt_token_ids, *self.output_token_ids]

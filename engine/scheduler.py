@@ -50,6 +50,8 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 2048
     max_model_len: int = 2048
     enable_chunked_prefill: bool = True
+    max_loras: int = 0
+    """Distinct LoRA adapters one batch may mix (0: adapters are not served)."""
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
@@ -319,44 +321,71 @@ class Scheduler:
         self._hand_off(request)
 
     def _admit(self, budget: int, chunks: list[ScheduledChunk], pulls: list[KVPull]) -> None:
-        while self.waiting and self.num_seqs < self.config.max_num_seqs:
-            request = self.waiting[0]
-            if self._awaits_remote_kv(request):
-                if not self._admit_for_pull(request, pulls):
-                    break
+        """Admit waiting requests in order while budget, ``max_num_seqs`` and blocks last.
+        A request whose adapter would be one more than ``max_loras`` in the batch waits
+        (those behind it may go ahead)."""
+        adapters = self._adapters_in_batch()
+        i = 0
+        while i < len(self.waiting) and self.num_seqs < self.config.max_num_seqs:
+            request = self.waiting[i]
+            name = request.lora_name
+            if name is not None and name not in adapters and len(adapters) >= self.config.max_loras:
+                i += 1
                 continue
-            if budget <= 0:
-                break
-            prefix = self.kv.find_cached_prefix(request)
-            num_new = request.num_tokens - prefix.num_tokens
-            if num_new > budget:
-                if not self.config.enable_chunked_prefill:
+            if self._awaits_remote_kv(request):
+                if not self._admit_for_pull(i, pulls):
                     break
-                num_new = budget
-            if not self.kv.allocate(request, num_new, prefix):
-                break
-            self.waiting.pop(0)
-            _note_admission(request)
-            request.num_computed_tokens = request.num_cached_tokens = prefix.num_tokens
-            request.status = RequestStatus.RUNNING
-            bisect.insort(self.running, request, key=_order)
-            chunks.append(self._chunk(request, num_new))
-            budget -= num_new
+            else:
+                if budget <= 0:
+                    break
+                num_new = self._admit_local(i, budget, chunks)
+                if num_new is None:
+                    break
+                budget -= num_new
+            if name is not None:
+                adapters.add(name)
+
+    def _admit_local(self, index: int, budget: int, chunks: list[ScheduledChunk]) -> int | None:
+        """Admit ``waiting[index]`` for up to ``budget`` tokens; how many it takes, or
+        ``None`` when it does not fit now."""
+        request = self.waiting[index]
+        prefix = self.kv.find_cached_prefix(request)
+        num_new = request.num_tokens - prefix.num_tokens
+        if num_new > budget:
+            if not self.config.enable_chunked_prefill:
+                return None
+            num_new = budget
+        if not self.kv.allocate(request, num_new, prefix):
+            return None
+        self._take(index, prefix.num_tokens, RequestStatus.RUNNING)
+        bisect.insort(self.running, request, key=_order)
+        chunks.append(self._chunk(request, num_new))
+        return num_new
+
+    def _take(self, index: int, num_cached: int, status: RequestStatus) -> None:
+        """Move ``waiting[index]``, its blocks allocated, out of the queue into ``status``."""
+        request = self.waiting.pop(index)
+        _note_admission(request)
+        request.num_computed_tokens = request.num_cached_tokens = num_cached
+        request.status = status
+
+    def _adapters_in_batch(self) -> set[str]:
+        """The adapters of the requests holding blocks to run (running or pulling)."""
+        held = [*self.running, *self.waiting_for_kv.values()]
+        return {r.lora_name for r in held if r.lora_name is not None}
 
     @staticmethod
     def _awaits_remote_kv(request: Request) -> bool:
         """A ``REMOTE`` request pulls once; after a preemption it recomputes like any other."""
         return request.prefill_mode is PrefillMode.REMOTE and request.num_preemptions == 0
 
-    def _admit_for_pull(self, request: Request, pulls: list[KVPull]) -> bool:
+    def _admit_for_pull(self, index: int, pulls: list[KVPull]) -> bool:
+        request = self.waiting[index]
         prefix = self.kv.find_cached_prefix(request)
         num_new = max(0, request.num_remote_tokens - prefix.num_tokens)
         if not self.kv.allocate(request, num_new, prefix):
             return False
-        self.waiting.pop(0)
-        _note_admission(request)
-        request.num_computed_tokens = request.num_cached_tokens = prefix.num_tokens
-        request.status = RequestStatus.WAITING_FOR_KV
+        self._take(index, prefix.num_tokens, RequestStatus.WAITING_FOR_KV)
         self.waiting_for_kv[request.request_id] = request
         first = len(prefix.blocks)
         pulls.append(KVPull(request, tuple(self.kv.block_ids(request)[first:]), first))

@@ -193,24 +193,27 @@ def _packs_experts(experts: FusedExperts, backend: LinearBackend) -> bool:
     return weight.device.type == "cpu"
 
 
-def pack_linear_layers(model: nn.Module, backend: LinearBackend) -> int:
+def pack_linear_layers(
+    model: nn.Module, backend: LinearBackend, fuse_gated_mlp: bool = True
+) -> int:
     """Replace every gated MLP and ``nn.Linear`` of a loaded model by its form packed for
-    ``backend`` (oneDNN or native), SwiGLU experts included; returns how
-    many modules changed. The original weights are dropped (the embedding keeps its own
-    copy of a tied output projection)."""
+    ``backend`` (oneDNN or native), SwiGLU experts included; returns how many modules
+    changed. The original weights are dropped (the embedding keeps its own copy of a tied
+    output projection). ``fuse_gated_mlp=False``: a gated MLP keeps its two products
+    apart (each packed), so something can add to gate/up before the activation (LoRA)."""
     count = 0
     # Recursive, and never into a module it replaced: a snapshot of ``model.modules()``
     # would also pack the replaced MLPs' linears and keep every original weight alive
     # until the end (twice the weights' memory at the peak).
     for name, child in list(model.named_children()):
-        if isinstance(child, GatedMLP) and child.activation is Activation.SILU:
+        if isinstance(child, GatedMLP) and child.activation is Activation.SILU and fuse_gated_mlp:
             setattr(model, name, _PACKED_MLP[backend](child))
         elif isinstance(child, FusedExperts) and _packs_experts(child, backend):
             setattr(model, name, _PACKED_EXPERTS[backend](child))
         elif isinstance(child, nn.Linear):
             setattr(model, name, packed_linear(child, backend))
         else:
-            count += pack_linear_layers(child, backend)
+            count += pack_linear_layers(child, backend, fuse_gated_mlp)
             continue
         count += 1
     return count

@@ -31,6 +31,8 @@ class PlanKind(enum.IntEnum):
     """The replica is shutting down: leave the loop."""
     UNPACK_KV = 4
     """Write the KV staged by transfer ``header[1]`` into the payload's block ids."""
+    FILL_LORA = 5
+    """Put the LoRA adapter the payload names (``encode_text``) in slot ``header[1]``."""
 
 
 @dataclass(frozen=True)
@@ -48,6 +50,8 @@ class ForwardPlan:
     logit_rows: np.ndarray
     """Rows of the hidden states to compute logits for (empty: none)."""
     num_decodes: int
+    lora_slots: np.ndarray | None = None
+    """``[T]``: the LoRA slot each token runs under (-1: base); ``None``: no adapters."""
 
     def metadata(self, block_size: int, device: torch.device) -> AttentionMetadata:
         return AttentionMetadata(
@@ -71,18 +75,34 @@ class ForwardPlan:
                 self.seq_lens,
                 self.query_start_loc,
                 self.logit_rows,
+                *(() if self.lora_slots is None else (self.lora_slots,)),
             ]
         ).astype(np.int64, copy=False)
-        header = np.array([PlanKind.FORWARD, t, n, b, r, self.num_decodes, len(payload), 0])
+        has_lora = int(self.lora_slots is not None)
+        header = np.array([PlanKind.FORWARD, t, n, b, r, self.num_decodes, len(payload), has_lora])
         return header.astype(np.int64), payload
 
     @classmethod
     def decode(cls, header: np.ndarray, payload: np.ndarray) -> ForwardPlan:
         _, t, n, b, r, num_decodes = (int(x) for x in header[:6])
-        sizes = [t, t, t, n * b, n, n + 1, r]
+        has_lora = bool(header[7])
+        sizes = [t, t, t, n * b, n, n + 1, r, *((t,) if has_lora else ())]
         parts = np.split(payload, np.cumsum(sizes)[:-1])
-        ids, positions, slots, table, seq_lens, qsl, rows = parts
-        return cls(ids, positions, slots, table.reshape(n, b), seq_lens, qsl, rows, num_decodes)
+        ids, positions, slots, table, seq_lens, qsl, rows = parts[:7]
+        lora = parts[7] if has_lora else None
+        table = table.reshape(n, b)
+        return cls(ids, positions, slots, table, seq_lens, qsl, rows, num_decodes, lora)
+
+
+def encode_text(text: str) -> np.ndarray:
+    """A string as an int64 payload (its UTF-8 bytes, zero-padded to 8)."""
+    data = text.encode()
+    data += b"\0" * (-len(data) % 8)
+    return np.frombuffer(data, dtype=np.int64).copy()
+
+
+def decode_text(payload: np.ndarray) -> str:
+    return payload.astype(np.int64).tobytes().rstrip(b"\0").decode()
 
 
 class PlanChannel:

@@ -78,6 +78,8 @@ def run_rank(spec: RankSpec) -> None:
                     runner.run_plan(ForwardPlan.decode(header, payload))
                 elif kind is PlanKind.UNPACK_KV:
                     agent.kv_unpack(int(header[1]), payload.tolist())
+                elif kind is PlanKind.FILL_LORA:
+                    runner.fill_lora_slot(int(header[1]), payload)
     finally:
         if agent is not None:
             agent.close()

@@ -40,6 +40,8 @@ class DraftSequence:
     all_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
     generator: torch.Generator | None = None
+    kv_namespace: str = ""
+    """The draft serves the base model only (no adapters)."""
 
     @property
     def num_tokens(self) -> int:

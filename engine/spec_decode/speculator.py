@@ -163,6 +163,8 @@ class Speculator:
             or method not in self.proposers
             or request.prefill_mode is PrefillMode.HAND_OFF
             or request.num_uncomputed_tokens != 1
+            # the draft model knows the base only: an adapter's requests do not draft
+            or (method is SpecMethod.DRAFT and request.lora_name is not None)
         ):
             return method, 0
         k_max = options.num_tokens or self.config.num_tokens

@@ -15,6 +15,7 @@ from tandem.cli import (
     certs,
     config_file,
     generate,
+    make_lora,
     make_model,
     planner,
     quantize,
@@ -25,7 +26,18 @@ from tandem.cli import (
 )
 from tandem.cli.options import is_expected, plain
 
-_SUBCOMMANDS = (serve, scale, router, worker, planner, generate, make_model, quantize, certs)
+_SUBCOMMANDS = (
+    serve,
+    scale,
+    router,
+    worker,
+    planner,
+    generate,
+    make_model,
+    make_lora,
+    quantize,
+    certs,
+)
 EXIT_INTERRUPTED = 130
 """In the order ``tandem --help`` lists them."""
 

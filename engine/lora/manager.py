@@ -1,0 +1,263 @@
+"""The adapters one model runner knows, holds in memory, and has in its slots.
+
+Three tiers, as vLLM has them:
+
+- **registered**: every adapter a request may name (``add``), checked when added;
+- **resident**: read and sharded for this rank, in CPU memory: an LRU of
+  ``max_cpu_loras`` (an adapter evicted from it is read again from disk when next used:
+  a cold load);
+- **active**: in one of ``max_loras`` slots of every wrapped layer's stacked weights,
+  which is what a forward runs. ``activate`` fills slots for a batch's adapters,
+  replacing the least recently used ones the batch does not need (the scheduler never
+  puts more than ``max_loras`` distinct adapters in one batch).
+
+Swapping an adapter in or out is a copy into the slot's rows between two forwards; the
+engine keeps running, and no request of another adapter notices.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Collection
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from tandem.common.lora import LoRARequest
+from tandem.common.model_config import ModelConfig
+from tandem.engine.lora.adapter import LoadedAdapter, load_adapter
+from tandem.engine.lora.kernels import lora_kernels_for
+from tandem.engine.lora.layers import LoRABatch, LoRALinear
+from tandem.engine.lora.targets import Target, scan_targets
+from tandem.engine.parallel.group import TensorParallelGroup
+
+log = logging.getLogger(__name__)
+
+OnFill = Callable[[int, LoadedAdapter], None]
+
+
+@dataclass(frozen=True)
+class LoRAConfig:
+    max_loras: int = 1
+    """Adapters one batch may mix (slots in every wrapped layer)."""
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None
+    """Adapters kept read in CPU memory; ``None``: ``max_loras``."""
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.max_loras <= 62:
+            raise ValueError(f"max_loras must be in 1..62, got {self.max_loras}")
+        if self.max_lora_rank < 1:
+            raise ValueError(f"max_lora_rank must be >= 1, got {self.max_lora_rank}")
+        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
+            raise ValueError(
+                f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras ({self.max_loras})"
+            )
+
+    @property
+    def cpu_capacity(self) -> int:
+        return self.max_cpu_loras or self.max_loras
+
+
+def find_targets(model: nn.Module, config: ModelConfig) -> dict[str, Target]:
+    """The layers adapters may target, read before packing (``targets.scan_targets``)."""
+    return scan_targets(model, config)
+
+
+class LoRAManager:
+    def __init__(
+        self,
+        model: nn.Module,
+        targets: dict[str, Target],
+        config: LoRAConfig,
+        dtype: torch.dtype,
+        device: torch.device,
+        group: TensorParallelGroup | None,
+    ) -> None:
+        """Wraps every layer of ``targets`` in ``model`` (loaded and packed) in a
+        ``LoRALinear``; nothing else of the model changes."""
+        self.model, self.targets, self.config, self.dtype = model, targets, config, dtype
+        self.batch = LoRABatch()
+        kernels = lora_kernels_for(device, dtype)
+        self.layers: dict[str, LoRALinear] = {}
+        modules = dict(model.named_modules())
+        for path, target in targets.items():
+            parent_path, _, leaf = path.rpartition(".")
+            parent = modules[parent_path]
+            layer = LoRALinear(
+                getattr(parent, leaf),
+                target,
+                config.max_loras,
+                config.max_lora_rank,
+                dtype,
+                self.batch,
+                kernels,
+                group,
+            )
+            setattr(parent, leaf, layer)
+            self.layers[path] = layer
+        self._registered: dict[str, LoRARequest] = {}
+        self._resident: OrderedDict[str, LoadedAdapter] = OrderedDict()
+        self._slots: list[str | None] = [None] * config.max_loras
+        self._slot_used: list[int] = [0] * config.max_loras
+        self._uses = 0
+        self._lock = threading.Lock()  # add/remove come from server threads
+        self.num_cold_loads = 0
+        self.last_load_seconds = 0.0
+        self.on_fill: OnFill | None = None
+        """Called after each slot fill (rank 0 of a tensor-parallel replica tells the
+        other ranks to fill theirs)."""
+
+    # --- registry (any thread) ---------------------------------------------------------
+
+    def add(self, request: LoRARequest) -> LoadedAdapter:
+        """Register and read ``request`` (checked: ``ValueError`` by name, nothing changed).
+        Adding a name again with the same path is a no-op; with another path, refused
+        (remove it first)."""
+        with self._lock:
+            known = self._registered.get(request.lora_name)
+        if known is not None and known.lora_path != request.lora_path:
+            raise ValueError(
+                f"LoRA adapter {request.lora_name!r} is already loaded from {known.lora_path}"
+            )
+        adapter = self._read(request)
+        with self._lock:
+            self._registered[request.lora_name] = request
+            self._keep_resident(adapter)
+        return adapter
+
+    def remove(self, name: str) -> bool:
+        """Forget adapter ``name``: unregistered, out of memory, its slot cleared at the
+        next ``activate`` (requests still running under it finish first: the engine
+        refuses removal while any does)."""
+        with self._lock:
+            if self._registered.pop(name, None) is None:
+                return False
+            self._resident.pop(name, None)
+            return True
+
+    def registered(self) -> list[LoRARequest]:
+        with self._lock:
+            return list(self._registered.values())
+
+    def get(self, name: str) -> LoRARequest | None:
+        with self._lock:
+            return self._registered.get(name)
+
+    def namespace(self, name: str) -> str:
+        """The KV namespace of registered adapter ``name`` (read again if evicted)."""
+        return self._resident_adapter(name).kv_namespace
+
+    # --- slots (the engine thread) -----------------------------------------------------
+
+    def activate(self, names: Collection[str]) -> dict[str, int]:
+        """Slots for a batch's adapters (at most ``max_loras``), filling the missing ones;
+        returns ``name -> slot``. Calls ``on_fill(slot, adapter)`` per slot filled."""
+        if len(names) > self.config.max_loras:
+            raise RuntimeError(
+                f"{len(names)} adapters in one batch; max_loras is {self.config.max_loras}"
+            )
+        self._drop_removed()
+        self._uses += 1
+        where: dict[str, int] = {}
+        for name in names:
+            if name in self._slots:
+                slot = self._slots.index(name)
+                self._slot_used[slot] = self._uses
+                where[name] = slot
+        for name in names:
+            if name not in where:
+                slot = self._free_slot(set(where.values()))
+                adapter = self._resident_adapter(name)
+                self.fill(slot, adapter)
+                if self.on_fill is not None:
+                    self.on_fill(slot, adapter)
+                where[name] = slot
+        return where
+
+    def fill(self, slot: int, adapter: LoadedAdapter) -> None:
+        """Put ``adapter`` in ``slot`` of every wrapped layer (clearing what was there)."""
+        for path, layer in self.layers.items():
+            layer.set_slot(slot, adapter.weights.get(path, []))
+        self._slots[slot] = adapter.name
+        self._slot_used[slot] = self._uses
+
+    def fill_from(self, slot: int, request: LoRARequest) -> None:
+        """Ranks 1..N-1 of a tensor-parallel replica: put ``request``'s adapter (this
+        rank's slice, read unless resident) in ``slot``, as rank 0 did."""
+        with self._lock:
+            adapter = self._resident.get(request.lora_name)
+        if adapter is None or adapter.request != request:
+            adapter = self._read(request)
+            with self._lock:
+                self._keep_resident(adapter)
+        self.fill(slot, adapter)
+
+    def set_batch(self, slots: torch.Tensor) -> None:
+        """The current forward's row slots (``-1``: base), for every wrapped layer."""
+        batch = LoRABatch.of(slots)
+        self.batch.slots, self.batch.runs, self.batch.mask = batch.slots, batch.runs, batch.mask
+
+    @property
+    def active(self) -> list[str | None]:
+        return list(self._slots)
+
+    # --- helpers -----------------------------------------------------------------------
+
+    def _free_slot(self, taken: set[int]) -> int:
+        free = [s for s in range(len(self._slots)) if s not in taken]
+        empty = [s for s in free if self._slots[s] is None]
+        if empty:
+            return empty[0]
+        return min(free, key=lambda s: self._slot_used[s])
+
+    def _drop_removed(self) -> None:
+        with self._lock:
+            registered = set(self._registered)
+        for slot, name in enumerate(self._slots):
+            if name is not None and name not in registered:
+                for layer in self.layers.values():
+                    layer.clear_slot(slot)
+                self._slots[slot] = None
+
+    def _resident_adapter(self, name: str) -> LoadedAdapter:
+        with self._lock:
+            adapter = self._resident.get(name)
+            if adapter is not None:
+                self._resident.move_to_end(name)
+                return adapter
+            request = self._registered.get(name)
+        if request is None:
+            raise KeyError(f"LoRA adapter {name!r} is not loaded")
+        adapter = self._read(request)  # evicted from memory: read again (a cold load)
+        with self._lock:
+            self._keep_resident(adapter)
+        return adapter
+
+    def _read(self, request: LoRARequest) -> LoadedAdapter:
+        start = time.perf_counter()
+        adapter = load_adapter(
+            request, self.model, self.targets, self.config.max_lora_rank, self.dtype
+        )
+        self.last_load_seconds = time.perf_counter() - start
+        self.num_cold_loads += 1
+        log.info(
+            "LoRA adapter %r read from %s: rank %d, %d layers, %.1f MB in %.1f ms",
+            request.lora_name,
+            request.lora_path,
+            adapter.rank,
+            len(adapter.weights),
+            adapter.nbytes / 1e6,
+            self.last_load_seconds * 1e3,
+        )
+        return adapter
+
+    def _keep_resident(self, adapter: LoadedAdapter) -> None:
+        self._resident[adapter.name] = adapter
+        self._resident.move_to_end(adapter.name)
+        while len(self._resident) > self.config.cpu_capacity:
+            self._resident.popitem(last=False)
