@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 from tandem.bench.cluster_bench import emit, provenance
@@ -48,14 +49,25 @@ def prefill_s(engine: LLMEngine, length: int, repeats: int) -> float:
     return statistics.median(times)
 
 
-def decode_step_s(engine: LLMEngine, batch: int, repeats: int, steps: int = 32) -> float:
+def decode_step_s(
+    engine: LLMEngine,
+    batch: int,
+    repeats: int,
+    steps: int = 32,
+    context: int = 256,
+    adapters: Sequence[str] = (),
+) -> float:
+    """The mean decode step of ``batch`` sequences at ``context`` tokens (median of
+    ``repeats``); ``adapters``: LoRA adapters given to the sequences round-robin."""
     times = []
     params = SamplingParams(max_tokens=steps + 1, temperature=0, ignore_eos=True)
     for r in range(repeats):
         for i in range(batch):
-            engine.add_request(_prompt(256, 2000 + 100 * r + i), params, f"d{r}-{i}")
+            lora = adapters[i % len(adapters)] if adapters else None
+            prompt = _prompt(context, 2000 + 100 * r + i)
+            engine.add_request(prompt, params, f"d{r}-{i}", lora_request=lora)
         engine.step()  # the prefills (one step: 256 x batch tokens within the budget)
-        while any(
+        while engine.scheduler.waiting or any(
             req.num_computed_tokens < req.num_prompt_tokens for req in engine.scheduler.running
         ):
             engine.step()

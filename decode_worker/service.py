@@ -31,6 +31,7 @@ from tandem.common import tracing
 from tandem.common.faults import fault_at
 from tandem.common.kv_events.publisher import KVEventPublisher
 from tandem.common.kv_events.wire import snapshot_to_proto
+from tandem.common.lora_service import LoRAAdmin
 from tandem.common.metrics import RequestTimer
 from tandem.common.wire import FINISH_REASON_TO_PROTO, logprobs_to_proto, sampling_from_proto
 from tandem.common.worker_load import worker_status
@@ -88,7 +89,7 @@ def _quietly(fn: Callable[..., object], *args: object) -> None:
         fn(*args)
 
 
-class DecodeService(worker_pb2_grpc.DecodeWorkerServicer):
+class DecodeService(LoRAAdmin, worker_pb2_grpc.DecodeWorkerServicer):
     def __init__(
         self,
         engine: AsyncEngine,
@@ -181,6 +182,7 @@ class DecodeService(worker_pb2_grpc.DecodeWorkerServicer):
             output_token_ids=list(request.output_token_ids),
             prefill_mode=PrefillMode.REMOTE if remote else PrefillMode.LOCAL,
             num_remote_tokens=request.kv.num_tokens if remote else 0,
+            lora_name=request.lora_name or None,
         )
         first = True
         finished = None

@@ -109,6 +109,7 @@ class AsyncEngine:
         output_token_ids: list[int] | None = None,
         prefill_mode: PrefillMode = PrefillMode.LOCAL,
         num_remote_tokens: int = 0,
+        lora_name: str | None = None,
     ) -> AsyncIterator[RequestDelta]:
         """Add a request and yield its deltas until it finishes (or, for ``HAND_OFF``,
         until its first token is out; or until ``migrate_out`` takes it: then the last
@@ -132,6 +133,7 @@ class AsyncEngine:
                     output_token_ids,
                     prefill_mode,
                     num_remote_tokens,
+                    lora_name,
                 )
             )
             while not done:

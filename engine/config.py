@@ -127,6 +127,10 @@ class EngineConfig:
     """The largest adapter rank accepted (sizes the slots)."""
     max_cpu_loras: int | None = None
     """Adapters kept read in CPU memory (>= ``max_loras``); ``None``: ``max_loras``."""
+    lora_dtype: str = "auto"
+    """Adapter weights' dtype: ``auto`` (the model's), ``float32``, ``bfloat16``,
+    ``float16``. On a float32 model, ``bfloat16`` halves the bytes a step with many
+    adapters reads (the native products widen them exactly; the sums stay float32)."""
 
     @property
     def expert_split(self) -> ExpertSplit:
@@ -208,7 +212,7 @@ class EngineConfig:
         """The adapter limits when ``enable_lora``, else ``None``."""
         if not self.enable_lora:
             return None
-        return LoRAConfig(self.max_loras, self.max_lora_rank, self.max_cpu_loras)
+        return LoRAConfig(self.max_loras, self.max_lora_rank, self.max_cpu_loras, self.lora_dtype)
 
     def quantization_config(self) -> QuantizationConfig | None:
         """The requested quantization, or ``None``; ``ValueError`` naming the field."""

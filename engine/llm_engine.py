@@ -14,7 +14,7 @@ import itertools
 import logging
 import threading
 import time
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Callable, Collection, Iterable, Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -194,6 +194,7 @@ class LLMEngine:
         self._ids = itertools.count()
         self._structured: StructuredOutputs | None = None
         self._structured_lock = threading.Lock()  # servers prepare constraints off-thread
+        self._lora_namespaces: dict[str, str] = {}
 
     @property
     def structured(self) -> StructuredOutputs:
@@ -256,7 +257,9 @@ class LLMEngine:
         against the model and ``max_lora_rank``, kept in CPU memory until a batch needs
         it. Safe to call from another thread while the engine steps; ``ValueError``
         naming the adapter and the fault (nothing changes then)."""
-        self._lora_manager().add(lora_request)
+        adapter = self._lora_manager().add(lora_request)
+        # copied, not changed in place: ``load`` reads it from the engine thread
+        self._lora_namespaces = {**self._lora_namespaces, adapter.name: adapter.kv_namespace}
 
     def remove_lora(self, name: str) -> bool:
         """Unload adapter ``name``; ``False`` if it is not loaded. Refused
@@ -265,6 +268,7 @@ class LLMEngine:
         busy = sum(1 for r in self.requests.values() if r.lora_name == name)
         if busy:
             raise ValueError(f"LoRA adapter {name!r} has {busy} unfinished requests")
+        self._lora_namespaces = {k: v for k, v in self._lora_namespaces.items() if k != name}
         return manager.remove(name)
 
     def list_loras(self) -> list[LoRARequest]:
@@ -518,6 +522,10 @@ class LLMEngine:
             num_preemptions=s.num_preemptions,
             spec_decode=None if self.speculator is None else replace(self.speculator.stats),
             busy_seconds=self.busy_seconds,
+            lora_adapters=dict(self._lora_namespaces),
+            lora_running=_count_adapters(s.running),
+            lora_waiting=_count_adapters([*s.waiting, *s.waiting_for_kv.values()]),
+            max_loras=s.config.max_loras,
         )
 
     def kv_usage(self) -> KVUsage:
@@ -573,6 +581,14 @@ class LLMEngine:
             )
         if params.stop and not self.detokenize:
             raise ValueError("stop strings need an engine that detokenizes (detokenize=True)")
+
+
+def _count_adapters(requests: Iterable[Request]) -> dict[str, int]:
+    counts: dict[str, int] = {}
+    for request in requests:
+        if request.lora_name is not None:
+            counts[request.lora_name] = counts.get(request.lora_name, 0) + 1
+    return counts
 
 
 @dataclass(frozen=True)

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from tandem.engine.sampler import TokenLogprobs
@@ -98,3 +99,11 @@ class EngineLoad:
     """Speculative decoding's counters (``None``: the engine does not speculate)."""
     busy_seconds: float = 0.0
     """Time spent in ``step()`` since start (the denominator of the proposer's share)."""
+    lora_adapters: Mapping[str, str] = field(default_factory=dict)
+    """LoRA adapters loaded: name -> KV namespace (``tandem.common.lora``)."""
+    lora_running: Mapping[str, int] = field(default_factory=dict)
+    """Running requests per adapter (vLLM's ``lora_requests_info``)."""
+    lora_waiting: Mapping[str, int] = field(default_factory=dict)
+    """Queued requests per adapter."""
+    max_loras: int = 0
+    """Adapters one batch may mix (0: LoRA off)."""

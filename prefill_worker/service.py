@@ -18,6 +18,7 @@ import grpc
 from tandem.common import tracing
 from tandem.common.kv_events.publisher import KVEventPublisher
 from tandem.common.kv_events.wire import snapshot_to_proto
+from tandem.common.lora_service import LoRAAdmin
 from tandem.common.metrics import RequestTimer
 from tandem.common.sampling_params import SamplingParams
 from tandem.common.wire import FINISH_REASON_TO_PROTO, logprobs_to_proto, sampling_from_proto
@@ -33,7 +34,7 @@ from tandem.protos import worker_pb2, worker_pb2_grpc
 log = logging.getLogger(__name__)
 
 
-class PrefillService(worker_pb2_grpc.PrefillWorkerServicer):
+class PrefillService(LoRAAdmin, worker_pb2_grpc.PrefillWorkerServicer):
     def __init__(
         self,
         engine: AsyncEngine,
@@ -135,6 +136,7 @@ class PrefillService(worker_pb2_grpc.PrefillWorkerServicer):
             request.request_id,
             priority=request.priority,
             prefill_mode=PrefillMode.HAND_OFF,
+            lora_name=request.lora_name or None,
         )
         async with contextlib.aclosing(stream):
             async for delta in stream:

@@ -54,6 +54,16 @@ class PrefillWorkerStub:
                 request_serializer=tandem_dot_protos_dot_worker__pb2.ListCachedBlocksRequest.SerializeToString,
                 response_deserializer=tandem_dot_protos_dot_worker__pb2.CachedBlocks.FromString,
                 _registered_method=True)
+        self.LoadLoRA = channel.unary_unary(
+                '/tandem.v1.PrefillWorker/LoadLoRA',
+                request_serializer=tandem_dot_protos_dot_worker__pb2.LoadLoRARequest.SerializeToString,
+                response_deserializer=tandem_dot_protos_dot_worker__pb2.LoadLoRAResponse.FromString,
+                _registered_method=True)
+        self.UnloadLoRA = channel.unary_unary(
+                '/tandem.v1.PrefillWorker/UnloadLoRA',
+                request_serializer=tandem_dot_protos_dot_worker__pb2.UnloadLoRARequest.SerializeToString,
+                response_deserializer=tandem_dot_protos_dot_worker__pb2.UnloadLoRAResponse.FromString,
+                _registered_method=True)
 
 
 class PrefillWorkerServicer:
@@ -86,6 +96,19 @@ class PrefillWorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def LoadLoRA(self, request, context):
+        """LoRA adapters loaded and dropped at run time (the router's /v1/load_lora_adapter).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def UnloadLoRA(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_PrefillWorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -108,6 +131,16 @@ def add_PrefillWorkerServicer_to_server(servicer, server):
                     servicer.ListCachedBlocks,
                     request_deserializer=tandem_dot_protos_dot_worker__pb2.ListCachedBlocksRequest.FromString,
                     response_serializer=tandem_dot_protos_dot_worker__pb2.CachedBlocks.SerializeToString,
+            ),
+            'LoadLoRA': grpc.unary_unary_rpc_method_handler(
+                    servicer.LoadLoRA,
+                    request_deserializer=tandem_dot_protos_dot_worker__pb2.LoadLoRARequest.FromString,
+                    response_serializer=tandem_dot_protos_dot_worker__pb2.LoadLoRAResponse.SerializeToString,
+            ),
+            'UnloadLoRA': grpc.unary_unary_rpc_method_handler(
+                    servicer.UnloadLoRA,
+                    request_deserializer=tandem_dot_protos_dot_worker__pb2.UnloadLoRARequest.FromString,
+                    response_serializer=tandem_dot_protos_dot_worker__pb2.UnloadLoRAResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -228,6 +261,60 @@ class PrefillWorker:
             metadata,
             _registered_method=True)
 
+    @staticmethod
+    def LoadLoRA(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tandem.v1.PrefillWorker/LoadLoRA',
+            tandem_dot_protos_dot_worker__pb2.LoadLoRARequest.SerializeToString,
+            tandem_dot_protos_dot_worker__pb2.LoadLoRAResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UnloadLoRA(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tandem.v1.PrefillWorker/UnloadLoRA',
+            tandem_dot_protos_dot_worker__pb2.UnloadLoRARequest.SerializeToString,
+            tandem_dot_protos_dot_worker__pb2.UnloadLoRAResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
 
 class DecodeWorkerStub:
     """Missing associated documentation comment in .proto file."""
@@ -262,6 +349,16 @@ class DecodeWorkerStub:
                 '/tandem.v1.DecodeWorker/Migrate',
                 request_serializer=tandem_dot_protos_dot_worker__pb2.MigrateRequest.SerializeToString,
                 response_deserializer=tandem_dot_protos_dot_worker__pb2.MigrateResponse.FromString,
+                _registered_method=True)
+        self.LoadLoRA = channel.unary_unary(
+                '/tandem.v1.DecodeWorker/LoadLoRA',
+                request_serializer=tandem_dot_protos_dot_worker__pb2.LoadLoRARequest.SerializeToString,
+                response_deserializer=tandem_dot_protos_dot_worker__pb2.LoadLoRAResponse.FromString,
+                _registered_method=True)
+        self.UnloadLoRA = channel.unary_unary(
+                '/tandem.v1.DecodeWorker/UnloadLoRA',
+                request_serializer=tandem_dot_protos_dot_worker__pb2.UnloadLoRARequest.SerializeToString,
+                response_deserializer=tandem_dot_protos_dot_worker__pb2.UnloadLoRAResponse.FromString,
                 _registered_method=True)
 
 
@@ -304,6 +401,18 @@ class DecodeWorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def LoadLoRA(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def UnloadLoRA(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_DecodeWorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -331,6 +440,16 @@ def add_DecodeWorkerServicer_to_server(servicer, server):
                     servicer.Migrate,
                     request_deserializer=tandem_dot_protos_dot_worker__pb2.MigrateRequest.FromString,
                     response_serializer=tandem_dot_protos_dot_worker__pb2.MigrateResponse.SerializeToString,
+            ),
+            'LoadLoRA': grpc.unary_unary_rpc_method_handler(
+                    servicer.LoadLoRA,
+                    request_deserializer=tandem_dot_protos_dot_worker__pb2.LoadLoRARequest.FromString,
+                    response_serializer=tandem_dot_protos_dot_worker__pb2.LoadLoRAResponse.SerializeToString,
+            ),
+            'UnloadLoRA': grpc.unary_unary_rpc_method_handler(
+                    servicer.UnloadLoRA,
+                    request_deserializer=tandem_dot_protos_dot_worker__pb2.UnloadLoRARequest.FromString,
+                    response_serializer=tandem_dot_protos_dot_worker__pb2.UnloadLoRAResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -468,6 +587,60 @@ class DecodeWorker:
             '/tandem.v1.DecodeWorker/Migrate',
             tandem_dot_protos_dot_worker__pb2.MigrateRequest.SerializeToString,
             tandem_dot_protos_dot_worker__pb2.MigrateResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def LoadLoRA(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tandem.v1.DecodeWorker/LoadLoRA',
+            tandem_dot_protos_dot_worker__pb2.LoadLoRARequest.SerializeToString,
+            tandem_dot_protos_dot_worker__pb2.LoadLoRAResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UnloadLoRA(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tandem.v1.DecodeWorker/UnloadLoRA',
+            tandem_dot_protos_dot_worker__pb2.UnloadLoRARequest.SerializeToString,
+            tandem_dot_protos_dot_worker__pb2.UnloadLoRAResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -19,6 +19,7 @@ from tandem.router.auth import ApiKeyInterceptor, ApiKeys
 from tandem.router.clients import WorkerClients
 from tandem.router.kv_index.consumer import KVEventConsumer, grpc_snapshot_fetcher
 from tandem.router.kv_index.indexer import KVIndexer
+from tandem.router.lora_admin import LoRAFleet
 from tandem.router.metrics import RouterMetrics
 from tandem.router.orchestrator import Orchestrator, OrchestratorConfig
 from tandem.router.rate_limit import RateLimit, RateLimiter
@@ -86,6 +87,9 @@ class RouterOptions:
     chat_template: str | None = None
     """A chat template replacing the checkpoint's: a file's path or the template itself."""
     tool_call_parser: str | None = None
+    allow_runtime_lora_updating: bool = False
+    """Serve ``/v1/load_lora_adapter`` and ``/v1/unload_lora_adapter`` (they make every
+    worker read a path the caller names: off unless asked for, as in vLLM)."""
     """How ``tool_choice: auto`` finds calls in the output (``None``: auto is refused)."""
     rebalance: RebalanceConfig = RebalanceConfig()
     """Moving streams off a decode worker whose KV pool or batch is fuller than its
@@ -115,6 +119,16 @@ def workers_max_model_len(watcher: RegistryWatcher) -> int | None:
     return min((n for n in limits if n is not None), default=None)
 
 
+def workers_adapters(watcher: RegistryWatcher) -> dict[str, str]:
+    """The LoRA adapters the live workers hold (name -> KV namespace): the names a
+    request may give as its model besides the base model's."""
+    adapters: dict[str, str] = {}
+    for role in WorkerRole:
+        for record in watcher.workers(role):
+            adapters.update(record.load.adapters)
+    return adapters
+
+
 def _start_metrics(options: RouterOptions, metrics: RouterMetrics) -> MetricsServer | None:
     """The Prometheus endpoint, when ``metrics_port`` is set (announced for launchers)."""
     if options.metrics_port is None:
@@ -130,12 +144,20 @@ async def _start_http(
     generator: Generator,
     limiter: RateLimiter | None,
     ready: Callable[[], bool],
+    fleet: LoRAFleet,
 ) -> HttpServer:
     """The OpenAI-compatible HTTP API on ``http_port`` (imported only when served)."""
     from tandem.router.openai_api.app import make_app
     from tandem.router.openai_api.server import HttpServer
 
-    app = make_app(generator, options.api_keys, limiter, ready, options.tool_call_parser)
+    app = make_app(
+        generator,
+        options.api_keys,
+        limiter,
+        ready,
+        options.tool_call_parser,
+        fleet if options.allow_runtime_lora_updating else None,
+    )
     http = HttpServer(app, options.host, options.http_port, options.tls, options.drain_timeout_s)
     await http.start()
     scheme = "http" if options.tls is None else "https"
@@ -160,6 +182,7 @@ async def run(
         lambda: workers_max_model_len(watcher),
         options.chat_template,
         options.model_aliases,
+        lambda: workers_adapters(watcher),
     )
     stop = stop or stop_on_signals()
     clients = WorkerClients(options.internal_tls)
@@ -182,10 +205,14 @@ async def run(
     background: set[asyncio.Task[None]] = set()
     readiness = ReadinessTracker(options.readiness, lambda role: len(watcher.workers(role)))
 
+    fleet: LoRAFleet | None = None  # set once the watcher exists
+
     def on_join(worker: WorkerRecord) -> None:
         readiness.update()
         if consumer is not None:
             consumer.worker_joined(worker)
+        if fleet is not None:
+            fleet.worker_joined(worker)
 
     def on_leave(worker: WorkerRecord) -> None:
         readiness.update()
@@ -199,6 +226,7 @@ async def run(
     watcher = RegistryWatcher(
         options.redis_url, options.model_name, on_join=on_join, on_leave=on_leave
     )
+    fleet = LoRAFleet(watcher, clients)
     await watcher.start()
     orchestrator = Orchestrator(
         watcher,
@@ -247,7 +275,7 @@ async def run(
         log.info("plaintext gRPC health (for probes) at %s:%d", options.host, server.health_port)
     http = None
     if options.http_port is not None:
-        http = await _start_http(options, generator, limiter, lambda: server.ready)
+        http = await _start_http(options, generator, limiter, lambda: server.ready, fleet)
     if started is not None:
         started.set_result(
             RouterState(

@@ -97,6 +97,16 @@ class RouterMetrics(ComponentMetrics):
         )
         for reason in ("short", "cached_on_decode"):
             self.labelled(self._local_prefills, reason=reason)
+        self._lora_requests = self.counter(
+            "router_lora_requests",
+            "requests served under each LoRA adapter (by the name the request gave)",
+            ("adapter",),
+        )
+        self._lora_tokens = self.counter(
+            "router_lora_generation_tokens",
+            "tokens generated under each LoRA adapter",
+            ("adapter",),
+        )
         self.decode_stalls = self.counter(
             "router_decode_stalls", "of those, streams moved because they stalled"
         )
@@ -130,6 +140,11 @@ class RouterMetrics(ComponentMetrics):
 
     def failed(self, code: str) -> None:
         self.labelled(self._errors, code=code).inc()
+
+    def lora_request(self, adapter: str, tokens: int) -> None:
+        """A request of ``adapter`` ended with ``tokens`` generated."""
+        self.labelled(self._lora_requests, adapter=adapter).inc()
+        self.labelled(self._lora_tokens, adapter=adapter).inc(tokens)
 
     def local_prefill(self, reason: str) -> None:
         self.labelled(self._local_prefills, reason=reason).inc()

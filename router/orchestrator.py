@@ -41,7 +41,7 @@ from dataclasses import dataclass, field
 import grpc
 
 from tandem.common import tracing
-from tandem.common.hashing import hash_blocks
+from tandem.common.hashing import hash_blocks, root_hash
 from tandem.common.registry import RegistryWatcher, WorkerRecord, WorkerRole
 from tandem.common.wire import FINISH_REASON_FROM_PROTO, sampling_to_proto
 from tandem.protos import common_pb2, worker_pb2
@@ -272,8 +272,13 @@ class Orchestrator:
         ):
             return True
         suspects = self.suspects.current()
-        decode_pool = self.pools.view(WorkerRole.DECODE, suspects)
-        prefill_pool = self.pools.view(WorkerRole.PREFILL, suspects)
+        lora = routing.lora_name
+        decode_pool = self.pools.view(
+            WorkerRole.DECODE, suspects | self._without_adapter(WorkerRole.DECODE, lora)
+        )
+        prefill_pool = self.pools.view(
+            WorkerRole.PREFILL, suspects | self._without_adapter(WorkerRole.PREFILL, lora)
+        )
         holder, held, prefill_held = None, 0, 0
         for worker_id, blocks in self.indexer.overlap(routing.block_hashes).items():
             if prefill_pool.get(worker_id) is not None:
@@ -313,6 +318,7 @@ class Orchestrator:
             prompt_token_ids=request.prompt_token_ids,
             sampling=_worker_sampling(request),
             priority=request.priority,
+            lora_name=request.lora_name or "",
         )
         tried: set[str] = set()
         for _ in range(self.config.max_prefill_attempts):
@@ -507,10 +513,24 @@ class Orchestrator:
         block_size = self._block_size() if self._uses_index else None
         if block_size is not None:
             start = time.perf_counter()
-            hashes = tuple(hash_blocks(request.prompt_token_ids, block_size))
+            root = root_hash(request.kv_namespace)
+            hashes = tuple(hash_blocks(request.prompt_token_ids, block_size, root))
             self.metrics.hashed(time.perf_counter() - start)
         return RoutingRequest(
-            request.request_id, request.num_prompt_tokens, hashes, request.priority
+            request.request_id,
+            request.num_prompt_tokens,
+            hashes,
+            request.priority,
+            lora_name=request.lora_name,
+        )
+
+    def _without_adapter(self, role: WorkerRole, lora_name: str | None) -> frozenset[str]:
+        """The workers of ``role`` that do not hold adapter ``lora_name`` (none for the
+        base model): a request of the adapter never goes there."""
+        if lora_name is None:
+            return frozenset()
+        return frozenset(
+            r.info.worker_id for r in self.watcher.workers(role) if lora_name not in r.load.adapters
         )
 
     def _block_size(self) -> int | None:
@@ -563,7 +583,7 @@ class Orchestrator:
     ) -> _Pick | None:
         """Choose (on the current snapshot) and record; no ``await`` in between."""
         start = time.perf_counter()
-        pool = self.pools.view(role, exclude)
+        pool = self.pools.view(role, exclude | self._without_adapter(role, routing.lora_name))
         if policy.uses_prefix_match and self.indexer is not None and routing.block_hashes:
             routing = dataclasses.replace(
                 routing, matched_blocks=self.indexer.overlap(routing.block_hashes)
@@ -633,6 +653,7 @@ def _decode_message(
         sampling=_worker_sampling(request),
         priority=request.priority,
         kv=handle,
+        lora_name=request.lora_name or "",
     )
 
 

@@ -156,6 +156,8 @@ class Generator:
             timer.end(finished)
             if finished is None:
                 self.metrics.failed(failure)
+            if request.lora_name is not None:
+                self.metrics.lora_request(request.lora_name, num_tokens)
             _end_request_span(trace, finished, failure, num_tokens)
 
 
@@ -228,7 +230,14 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
     async def ListModels(
         self, request: generation_pb2.ListModelsRequest, context: grpc.aio.ServicerContext
     ) -> generation_pb2.ListModelsResponse:
-        return generation_pb2.ListModelsResponse(models=[self.generator.model_info()])
+        base = self.generator.model_info()
+        models = [base]
+        for name in sorted(self.generator.validator.adapters()):
+            adapter = generation_pb2.ModelInfo()
+            adapter.CopyFrom(base)
+            adapter.name, adapter.parent = name, base.name
+            models.append(adapter)
+        return generation_pb2.ListModelsResponse(models=models)
 
 
 async def _abort(

@@ -22,7 +22,7 @@ import contextlib
 import json
 import math
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -69,6 +69,10 @@ class ValidatedRequest:
     sampling: SamplingParams
     priority: int
     prompt_text: str | None
+    lora_name: str | None = None
+    """The LoRA adapter the request names as its model (``None``: the base model)."""
+    kv_namespace: str = ""
+    """The root of its prompt's block hashes (the adapter's; empty for the base)."""
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -95,7 +99,10 @@ class RequestValidator:
         max_model_len: int | None = None,
         sampling_defaults: SamplingDefaults | None = None,
         workers_max_model_len: Callable[[], int | None] = lambda: None,
+        adapters: Callable[[], Mapping[str, str]] = dict,
     ):
+        """``adapters()``: the LoRA adapters the workers hold now, name -> KV namespace
+        (a request may name one as its model)."""
         limit = config.max_position_embeddings
         if max_model_len is None:
             max_model_len = limit
@@ -106,6 +113,7 @@ class RequestValidator:
         """Every name a request may give the model, ``model_name`` first."""
         self.configured_max_model_len = max_model_len
         self._workers_max_model_len = workers_max_model_len
+        self.adapters = adapters
         self.vocab_size = config.vocab_size
         self.sampling_defaults = sampling_defaults or SamplingDefaults()
         self._tokenizer = tokenizer
@@ -120,6 +128,7 @@ class RequestValidator:
         workers_max_model_len: Callable[[], int | None] = lambda: None,
         chat_template: str | None = None,
         aliases: Sequence[str] = (),
+        adapters: Callable[[], Mapping[str, str]] = dict,
     ) -> RequestValidator:
         """Read the tokenizer, config and sampling defaults (``generation_config``: see
         ``load_sampling_defaults``) from a HF checkpoint directory; ``chat_template``
@@ -130,7 +139,13 @@ class RequestValidator:
         if chat_template is not None:
             tokenizer = tokenizer.with_chat_template(read_chat_template(chat_template))
         validator = cls(
-            model_name, tokenizer, config, max_model_len, defaults, workers_max_model_len
+            model_name,
+            tokenizer,
+            config,
+            max_model_len,
+            defaults,
+            workers_max_model_len,
+            adapters,
         )
         validator.served_names = (model_name, *(a for a in aliases if a != model_name))
         return validator
@@ -149,12 +164,7 @@ class RequestValidator:
 
     def validate(self, request: generation_pb2.GenerateRequest) -> ValidatedRequest:
         """The validated request; raises ``InvalidRequest`` on the first problem found."""
-        if request.model and request.model not in self.served_names:
-            raise InvalidRequest(
-                "model",
-                f"{request.model!r} is not served here (this router serves "
-                f"{self.model_name!r}); leave it empty or name the served model",
-            )
+        lora_name, namespace = self._adapter(request.model)
         field, text, token_ids = self._prompt(request)
         self._check_length(field, len(token_ids))
         proto = request.sampling
@@ -181,6 +191,23 @@ class RequestValidator:
             sampling=sampling,
             priority=request.priority,
             prompt_text=text,
+            lora_name=lora_name,
+            kv_namespace=namespace,
+        )
+
+    def _adapter(self, model: str) -> tuple[str | None, str]:
+        """The LoRA adapter ``model`` names and its KV namespace; ``(None, "")`` for the
+        base model (or no name); ``InvalidRequest`` for a name nothing serves."""
+        if not model or model in self.served_names:
+            return None, ""
+        adapters = self.adapters()
+        if model in adapters:
+            return model, adapters[model]
+        listed = ", ".join(repr(n) for n in (*self.served_names, *sorted(adapters)))
+        raise InvalidRequest(
+            "model",
+            f"{model!r} is not served here (this router serves {listed}); leave it empty "
+            "or name the served model or one of its LoRA adapters",
         )
 
     def tokenize(

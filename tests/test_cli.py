@@ -45,6 +45,7 @@ def test_every_flag_of_every_command_has_help_text() -> None:
         "planner",
         "generate",
         "make-model",
+        "make-lora",
         "quantize",
         "certs",
     }

@@ -99,7 +99,8 @@ def test_mixed_batch_of_base_and_three_adapters_equals_peft(base, adapters) -> N
     assert len({tuple(o.token_ids) for o in outs[:4]}) == 4  # every adapter changes the output
 
 
-def test_torch_products_equal_the_native_kernel() -> None:
+@pytest.mark.parametrize("weights", [torch.float32, torch.bfloat16])
+def test_torch_products_equal_the_native_kernel(weights: torch.dtype) -> None:
     kernels = lora_kernels_for(torch.device("cpu"), torch.float32)
     if kernels is None:
         pytest.skip("no C compiler")
@@ -114,18 +115,25 @@ def test_torch_products_equal_the_native_kernel() -> None:
             bt[s, j * rank + r : (j + 1) * rank] = 0
         bt[s, :rank, 20:] = 0  # slice 0 writes columns 0..19, slice 1 columns 20..39
         bt[s, rank:, :20] = 0
+    a, bt = a.to(weights), bt.to(weights)  # bfloat16: lora_dtype, widened exactly
     offsets = torch.tensor([0, 20, 40])
-    slots = torch.tensor([1, 1, -1, 0, 0, 0, 2, 1], dtype=torch.int64)
-    x = torch.randn(8, d_in, generator=g)
-    y = torch.randn(8, d_out, generator=g)
+    slots = torch.tensor([1, 1, -1, 0, 0, 0, 0, 0, 2, 1], dtype=torch.int64)
+    x = torch.randn(len(slots), d_in, generator=g)
+    y = torch.randn(len(slots), d_out, generator=g)
     expected = y.clone()
     for t, s in enumerate(slots.tolist()):
         if s >= 0:
-            expected[t] += (a[s] @ x[t]) @ bt[s]
+            expected[t] += (a[s].float() @ x[t]) @ bt[s].float()
+    batched = y.clone()
     u = kernels.shrink(x, slots, a, ranks, rank)
-    kernels.expand(u, y, slots, bt, ranks, offsets, rank)
-    torch.testing.assert_close(y, expected, rtol=1e-5, atol=1e-5)
-    assert LoRABatch.of(slots).runs == ((1, 0, 2), (0, 3, 6), (2, 6, 7), (1, 7, 8))
+    kernels.expand(u, batched, slots, bt, ranks, offsets, rank)
+    torch.testing.assert_close(batched, expected, rtol=1e-5, atol=1e-5)
+    for t in range(len(slots)):  # a row alone gives bitwise its result in the batch
+        alone = y[t : t + 1].clone()
+        u = kernels.shrink(x[t : t + 1], slots[t : t + 1], a, ranks, rank)
+        kernels.expand(u, alone, slots[t : t + 1], bt, ranks, offsets, rank)
+        assert torch.equal(alone[0], batched[t])
+    assert LoRABatch.of(slots).runs == ((1, 0, 2), (0, 3, 8), (2, 8, 9), (1, 9, 10))
 
 
 def test_torch_path_equals_peft(base, adapters) -> None:
@@ -203,13 +211,17 @@ def test_tensor_parallel_adapters_equal_peft(base, adapters) -> None:
         _mixed_batch_equals_peft(llm, base, adapters, n=2)
 
 
-def test_int8_base_weights_with_adapters(base, adapters) -> None:
-    """An int8 base runs the adapters on top of its quantized products: an adapter's
-    tokens are the same alone and in a mixed batch, and differ from the int8 base's."""
+@pytest.mark.parametrize(
+    "settings", [{"quantization": "int8"}, {"lora_dtype": "bfloat16"}], ids=["int8", "lora-bf16"]
+)
+def test_int8_base_or_bf16_adapters(base, adapters, settings) -> None:
+    """An int8 base runs the adapters on top of its quantized products, and adapters may
+    be held in bfloat16 on a float32 model: an adapter's tokens are the same alone and in
+    a mixed batch, and differ from the base's."""
     prompts = random_prompts(2, 4096, (5, 30), seed=4)
     loras = _requests(adapters)
     with LLM(
-        base, dtype="float32", num_kv_blocks=256, enable_lora=True, max_loras=3, quantization="int8"
+        base, dtype="float32", num_kv_blocks=256, enable_lora=True, max_loras=3, **settings
     ) as llm:
         alone = {
             lora: [o.token_ids for o in llm.generate(prompts, GREEDY, lora_request=lora)]
@@ -327,3 +339,35 @@ def test_lora_modules_flag_forms(tmp_path) -> None:
             lora_requests([bad])
     with pytest.raises(ValueError, match="twice"):
         lora_requests(["a=/x", "a=/y"])
+
+
+def test_workers_advertise_adapters_and_report_them(base, adapters) -> None:
+    """The registry record carries name -> KV namespace; the worker's metrics report
+    vLLM's ``lora_requests_info`` and running requests per adapter."""
+    from tandem.common.worker_load import worker_load
+    from tandem.common.worker_metrics import WorkerMetrics
+
+    with LLM(base, dtype="float32", num_kv_blocks=128, enable_lora=True, max_loras=2) as llm:
+        engine = llm.engine
+        for lora in _requests(adapters)[1:3]:
+            engine.add_lora(lora)
+        engine.add_request([5, 6, 7, 8], GREEDY, request_id="r", lora_request="all8")
+        engine.step()
+        load = engine.load()
+        published = worker_load(load)
+        assert published.adapters == {
+            "all8": kv_namespace("all8", adapters["all8"]),
+            "qv4": kv_namespace("qv4", adapters["qv4"]),
+        }
+        metrics = WorkerMetrics("m", "decode", lambda: load)
+        assert (
+            metrics.value(
+                "lora_requests_info",
+                running_lora_adapters="all8",
+                waiting_lora_adapters="",
+                max_lora="2",
+            )
+            == 1
+        )
+        assert metrics.value("lora_requests_running", adapter="all8") == 1
+        assert metrics.value("lora_adapters_loaded") == 2

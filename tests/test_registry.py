@@ -60,10 +60,11 @@ async def wait_until(condition: Callable[[], bool], timeout_s: float = 5.0) -> f
 
 
 def test_record_round_trips_through_json() -> None:
-    record = WorkerRecord(
-        make_info("w1"), WorkerLoad(100, 2, 3, 456, updated_at=12.5, busy_fraction=0.25)
-    )
+    adapters = {"sql": "lora:sql:0123456789abcdef"}
+    load = WorkerLoad(100, 2, 3, 456, updated_at=12.5, busy_fraction=0.25, adapters=adapters)
+    record = WorkerRecord(make_info("w1"), load)
     assert decode_record(encode_record(record), "k") == record
+    assert decode_record(encode_record(record), "k").load.adapters == adapters
     # A record from a worker that does not report its busy share reads as 0.
     doc = json.loads(encode_record(record))
     del doc["load"]["busy_fraction"]

@@ -128,10 +128,10 @@ class LoRALinear(nn.Module):
         u = x2.new_zeros(x2.shape[0], self.a.shape[1])
         for slot, start, end in batch.runs:
             if self.present >> slot & 1:
-                u[start:end] = x2[start:end] @ self.a[slot].T
+                u[start:end] = x2[start:end] @ self.a[slot].T.to(x2.dtype)
         if self.group is not None:
             u = self.group.all_reduce(u)
         for slot, start, end in batch.runs:
             if self.present >> slot & 1:
-                y2[start:end] += u[start:end] @ self.bt[slot]
+                y2[start:end] += u[start:end] @ self.bt[slot].to(u.dtype)
         return y

@@ -39,6 +39,13 @@ log = logging.getLogger(__name__)
 
 OnFill = Callable[[int, LoadedAdapter], None]
 
+LORA_DTYPES: dict[str, torch.dtype | None] = {
+    "auto": None,
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+}
+
 
 @dataclass(frozen=True)
 class LoRAConfig:
@@ -47,8 +54,15 @@ class LoRAConfig:
     max_lora_rank: int = 16
     max_cpu_loras: int | None = None
     """Adapters kept read in CPU memory; ``None``: ``max_loras``."""
+    dtype: str = "auto"
+    """What adapter weights are held in: ``auto`` (the model's dtype), ``float32``,
+    ``bfloat16`` or ``float16`` (vLLM's ``--lora-dtype``)."""
 
     def __post_init__(self) -> None:
+        if self.dtype not in LORA_DTYPES:
+            raise ValueError(
+                f"lora_dtype must be one of {', '.join(LORA_DTYPES)}, got {self.dtype!r}"
+            )
         if not 1 <= self.max_loras <= 62:
             raise ValueError(f"max_loras must be in 1..62, got {self.max_loras}")
         if self.max_lora_rank < 1:
@@ -61,6 +75,9 @@ class LoRAConfig:
     @property
     def cpu_capacity(self) -> int:
         return self.max_cpu_loras or self.max_loras
+
+    def weight_dtype(self, model_dtype: torch.dtype) -> torch.dtype:
+        return model_dtype if self.dtype == "auto" else LORA_DTYPES[self.dtype]
 
 
 def find_targets(model: nn.Module, config: ModelConfig) -> dict[str, Target]:
@@ -80,9 +97,11 @@ class LoRAManager:
     ) -> None:
         """Wraps every layer of ``targets`` in ``model`` (loaded and packed) in a
         ``LoRALinear``; nothing else of the model changes."""
-        self.model, self.targets, self.config, self.dtype = model, targets, config, dtype
+        self.model, self.targets, self.config = model, targets, config
+        self.dtype = config.weight_dtype(dtype)
+        """What the adapters' weights are held in."""
         self.batch = LoRABatch()
-        kernels = lora_kernels_for(device, dtype)
+        kernels = lora_kernels_for(device, dtype, self.dtype)
         self.layers: dict[str, LoRALinear] = {}
         modules = dict(model.named_modules())
         for path, target in targets.items():
@@ -93,7 +112,7 @@ class LoRAManager:
                 target,
                 config.max_loras,
                 config.max_lora_rank,
-                dtype,
+                self.dtype,
                 self.batch,
                 kernels,
                 group,

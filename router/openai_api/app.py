@@ -33,11 +33,14 @@ from tandem.common import tracing
 from tandem.common.wire import FINISH_REASON_FROM_PROTO
 from tandem.protos import common_pb2, generation_pb2
 from tandem.router.auth import ApiKeys
+from tandem.router.lora_admin import LoRAFleet, LoRAUpdateError
 from tandem.router.openai_api.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
+    LoadLoRAAdapterRequest,
     TokenizeRequest,
+    UnloadLoRAAdapterRequest,
     Unsupported,
 )
 from tandem.router.openai_api.tools import OutputParser, ToolUse, assemble
@@ -79,9 +82,11 @@ def make_app(
     limiter: RateLimiter | None = None,
     is_ready: Callable[[], bool] = lambda: True,
     tool_parser: str | None = None,
+    lora_fleet: LoRAFleet | None = None,
 ) -> FastAPI:
     """The app over ``generator``; ``tool_parser`` (``--tool-call-parser``, given with
-    ``--enable-auto-tool-choice``) turns on ``tool_choice: auto``."""
+    ``--enable-auto-tool-choice``) turns on ``tool_choice: auto``; ``lora_fleet`` turns
+    on loading and unloading LoRA adapters at run time."""
     # The OpenAPI schema at /openapi.json, as vLLM serves it (no docs pages: they load
     # scripts from a CDN).
     version = importlib.metadata.version("tandem")
@@ -145,22 +150,16 @@ def make_app(
     async def models(request: Request) -> dict[str, Any]:
         await authorize(request)
         info = generator.model_info()
-        return {
-            "object": "list",
-            "data": [
-                {
-                    "id": name,
-                    "object": "model",
-                    "created": 0,
-                    "owned_by": "tandem",
-                    "root": info.name,
-                    "max_model_len": info.max_model_len,
-                }
-                for name in generator.validator.served_names
-            ],
-        }
+        card = {"object": "model", "created": 0, "owned_by": "tandem"}
+        card["max_model_len"] = info.max_model_len
+        base = [{"id": n, **card, "root": info.name} for n in generator.validator.served_names]
+        adapters = sorted(generator.validator.adapters())
+        loras = [{"id": n, **card, "root": n, "parent": info.name} for n in adapters]
+        return {"object": "list", "data": base + loras}
 
     _add_token_endpoints(app, generator, authorize, tokens)
+    if lora_fleet is not None:
+        _add_lora_endpoints(app, lora_fleet, authorize)
 
     async def answer(
         request: Request, body: CompletionRequest | ChatCompletionRequest, chat: bool
@@ -208,6 +207,44 @@ def make_app(
     return app
 
 
+_LORA_STATUS = {
+    grpc.StatusCode.INVALID_ARGUMENT: (400, "invalid_request_error"),
+    grpc.StatusCode.NOT_FOUND: (404, "not_found_error"),
+    grpc.StatusCode.FAILED_PRECONDITION: (409, "invalid_request_error"),
+}
+
+
+def _add_lora_endpoints(
+    app: FastAPI, fleet: LoRAFleet, authorize: Callable[[Request], Awaitable[None]]
+) -> None:
+    """vLLM's runtime adapter endpoints, over every worker of the fleet."""
+
+    async def fleet_call(call: Awaitable[int]) -> int:
+        try:
+            return await call
+        except LoRAUpdateError as err:
+            status, kind = _LORA_STATUS.get(err.code, (503, "service_unavailable_error"))
+            raise ApiError(status, str(err), kind, "lora_name") from None
+
+    @app.post("/v1/load_lora_adapter")
+    async def load_lora_adapter(body: LoadLoRAAdapterRequest, request: Request) -> Response:
+        await authorize(request)
+        count = await fleet_call(fleet.load(body.lora_name, body.lora_path))
+        return Response(
+            f"Success: LoRA adapter '{body.lora_name}' added successfully on {count} workers.",
+            media_type="text/plain",
+        )
+
+    @app.post("/v1/unload_lora_adapter")
+    async def unload_lora_adapter(body: UnloadLoRAAdapterRequest, request: Request) -> Response:
+        await authorize(request)
+        count = await fleet_call(fleet.unload(body.lora_name))
+        return Response(
+            f"Success: LoRA adapter '{body.lora_name}' removed successfully from {count} workers.",
+            media_type="text/plain",
+        )
+
+
 def _add_token_endpoints(
     app: FastAPI,
     generator: Generator,
@@ -217,7 +254,8 @@ def _add_token_endpoints(
     """vLLM's ``/tokenize``, ``/detokenize`` and ``/version``."""
 
     def served(model: str) -> None:
-        if model and model not in generator.validator.served_names:
+        validator = generator.validator
+        if model and model not in validator.served_names and model not in validator.adapters():
             raise ApiError(404, f"the model {model!r} does not exist", "not_found_error", "model")
 
     @app.post("/tokenize")

@@ -328,6 +328,26 @@ class DetokenizeRequest(BaseModel):
     tokens: list[Count]
 
 
+class LoadLoRAAdapterRequest(BaseModel):
+    """``POST /v1/load_lora_adapter`` (vLLM's): a PEFT adapter directory every worker
+    reads, served under ``lora_name`` (what requests then give as their ``model``)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    lora_name: str = Field(min_length=1, max_length=256, pattern=r"^[^\x00]+$")
+    lora_path: str = Field(min_length=1, max_length=4096, pattern=r"^[^\x00]+$")
+
+
+class UnloadLoRAAdapterRequest(BaseModel):
+    """``POST /v1/unload_lora_adapter`` (vLLM's)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    lora_name: str = Field(min_length=1, max_length=256, pattern=r"^[^\x00]+$")
+    lora_int_id: int | None = None
+    """Accepted for vLLM's clients; adapters are named by ``lora_name``."""
+
+
 def _chat(
     messages: list[ChatMessage], add_generation_prompt: bool, tools: list[dict[str, Any]] | None
 ) -> generation_pb2.ChatMessages:

@@ -48,6 +48,8 @@ class RoutingRequest:
     ``priority``: lower runs first, as in ``GenerateRequest``. ``matched_blocks`` is
     the KV index's answer for ``block_hashes``: worker id -> leading blocks of the
     prompt that worker holds (absent: none); empty when no index is consulted.
+    ``lora_name``: the LoRA adapter it runs under (the caller offers a policy only the
+    workers that hold it; its block hashes are rooted in the adapter's namespace).
     """
 
     request_id: str
@@ -55,6 +57,7 @@ class RoutingRequest:
     block_hashes: tuple[BlockHash, ...] = ()
     priority: int = 0
     matched_blocks: Mapping[str, int] = field(default_factory=lambda: EMPTY_MATCH, compare=False)
+    lora_name: str | None = None
 
     def __post_init__(self) -> None:
         if self.num_prompt_tokens < 0:

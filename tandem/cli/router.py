@@ -165,6 +165,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         help="prefill workers needed (0: decode workers prefill when none is left)",
     )
     add_chat_options(router)
+    add_lora_router_options(router)
     _add_routing_options(router)
     router.set_defaults(run=run)
 
@@ -195,6 +196,21 @@ def add_chat_options(parser: argparse.ArgumentParser) -> None:
         "blocks: Hermes, Qwen 2.5/3, Tandem's checkpoints), llama3_json (Llama 3.1+) or "
         "pythonic ([f(a=1), g()]: Llama 3.2 / 4)",
     )
+
+
+def add_lora_router_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--allow-runtime-lora-updating",
+        action="store_true",
+        help="serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter, which load or "
+        "drop a LoRA adapter on every worker (also on with vLLM's "
+        "VLLM_ALLOW_RUNTIME_LORA_UPDATING=True)",
+    )
+
+
+def allow_runtime_lora_updating(args: argparse.Namespace) -> bool:
+    env = os.environ.get("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "").lower()
+    return bool(args.allow_runtime_lora_updating) or env in ("1", "true")
 
 
 def tool_call_parser(args: argparse.Namespace) -> str | None:
@@ -370,4 +386,5 @@ def router_options(args: argparse.Namespace) -> RouterOptions:
         chat_template=args.chat_template,
         tool_call_parser=tool_call_parser(args),
         rebalance=rebalance,
+        allow_runtime_lora_updating=allow_runtime_lora_updating(args),
     )

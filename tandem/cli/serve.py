@@ -29,7 +29,12 @@ from tandem.cli.options import (
 )
 from tandem.cli.planner import add_planner_options, planner_config
 from tandem.cli.ray_flags import add_serve_options, ray_only_flags_given, ray_spec, uses_ray
-from tandem.cli.router import add_chat_options, tool_call_parser
+from tandem.cli.router import (
+    add_chat_options,
+    add_lora_router_options,
+    allow_runtime_lora_updating,
+    tool_call_parser,
+)
 
 if TYPE_CHECKING:
     from tandem.cli.launcher import ClusterSpec, LocalCluster
@@ -180,6 +185,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         '\'{"model": "DRAFT_DIR", "num_speculative_tokens": 4}\'',
     )
     add_chat_options(serve)
+    add_lora_router_options(serve)
+    from tandem.cli.worker import add_lora_modules
+
+    add_lora_modules(serve)
     add_tracing_option(serve.add_argument_group("tracing (every component)"))
     add_config_option(serve)
     _add_engine_flags(serve)
@@ -286,6 +295,7 @@ def _run(args: argparse.Namespace) -> int:
             *_replica_args(args),
             *engine_flag_args(args),
             *_tracing_args(args),
+            *(("--lora-modules", *args.lora_modules) if args.lora_modules else ()),
             *args.worker_arg,
         ),
         prefill_args=tuple(args.prefill_worker_arg),
@@ -294,6 +304,7 @@ def _run(args: argparse.Namespace) -> int:
             *(() if http_port is None else ("--http-port", str(http_port))),
             *(() if generation_config is None else ("--generation-config", generation_config)),
             *_chat_args(args),
+            *(("--allow-runtime-lora-updating",) if allow_runtime_lora_updating(args) else ()),
             *_tracing_args(args),
             *(("--model-name", *args.model_name) if args.model_name else ()),
             *args.router_arg,
@@ -440,7 +451,8 @@ def check_flags(spec: ClusterSpec) -> None:
     with that component's usage, a setting or checkpoint file that cannot work raises
     ``ValueError`` naming it."""
     from tandem.cli.main import parse
-    from tandem.cli.worker import check_speculation, engine_settings
+    from tandem.cli.worker import check_speculation, engine_settings, lora_modules
+    from tandem.common.lora import adapter_weights_file, read_adapter_config
     from tandem.engine.config import EngineConfig
     from tandem.engine.llm_engine import check_config
     from tandem.router.validation import RequestValidator
@@ -466,6 +478,9 @@ def check_flags(spec: ClusterSpec) -> None:
         check_speculation(args)
         try:
             check_config(EngineConfig(model=spec.model_dir, **engine_settings(args)))
+            for lora in lora_modules(args):  # the files, before any worker reads them
+                read_adapter_config(lora.lora_path, lora.lora_name)
+                adapter_weights_file(lora.lora_path, lora.lora_name)
         except ValueError as err:
             raise ValueError(f"{role} workers: {err}") from None
 

@@ -36,6 +36,7 @@ from tandem.cli.options import (
     setup_logging,
     setup_tracing,
 )
+from tandem.common.lora import LoRARequest, lora_requests
 
 if TYPE_CHECKING:
     from tandem.common.worker_host import WorkerOptions
@@ -172,6 +173,27 @@ ENGINE_FLAGS: tuple[EngineFlag, ...] = (
         "continues bitwise (docs/reliability.md#batch-invariant-numerics; default: False)",
         metavar="{true,false}",
     ),
+    EngineFlag(
+        "enable-lora",
+        boolean,
+        "serve LoRA adapters (PEFT format; --lora-modules, /v1/load_lora_adapter) beside "
+        "the base model (default: False)",
+        metavar="{true,false}",
+    ),
+    EngineFlag("max-loras", positive_int, "distinct adapters one batch may mix (default: 1)"),
+    EngineFlag("max-lora-rank", positive_int, "largest adapter rank accepted (default: 16)"),
+    EngineFlag(
+        "max-cpu-loras",
+        positive_int,
+        "adapters kept read in CPU memory (default: --max-loras)",
+    ),
+    EngineFlag(
+        "lora-dtype",
+        str,
+        "adapter weights' dtype; bfloat16 halves what a step with many adapters reads "
+        "(default: auto)",
+        ("auto", "float32", "bfloat16", "float16"),
+    ),
 )
 SPECULATIVE_FLAGS: tuple[EngineFlag, ...] = (
     EngineFlag(
@@ -260,6 +282,7 @@ def _add_worker(subparsers: argparse._SubParsersAction, role: str) -> argparse.A
         help="seconds between registry heartbeats (each carries the worker's load)",
     )
     add_internal_tls_options(worker, router=False)
+    add_lora_modules(worker)
     engine = worker.add_argument_group("engine")
     speculative = worker.add_argument_group("speculative decoding")
     for spec in ROLE_ENGINE_FLAGS[role]:
@@ -277,6 +300,30 @@ def _add_worker(subparsers: argparse._SubParsersAction, role: str) -> argparse.A
             add_negation(group, spec.flag, spec.field)
     worker.set_defaults(run=run, role=role)
     return worker
+
+
+def add_lora_modules(parser: argparse.ArgumentParser) -> None:
+    """vLLM's ``--lora-modules``: adapters loaded at start-up."""
+    parser.add_argument(
+        "--lora-modules",
+        nargs="+",
+        default=[],
+        metavar="NAME=PATH",
+        help="LoRA adapters to load at start (with --enable-lora): name=path, or vLLM's "
+        'JSON form \'{"name": ..., "path": ..., "base_model_name": ...}\'; requests '
+        "select one by its name as the model",
+    )
+
+
+def lora_modules(args: argparse.Namespace) -> tuple[LoRARequest, ...]:
+    """The adapters ``--lora-modules`` names; a usage error without ``--enable-lora``."""
+    try:
+        requests = tuple(lora_requests(args.lora_modules))
+    except ValueError as err:
+        args.parser.error(str(err))
+    if requests and not getattr(args, "enable_lora", None):
+        args.parser.error("--lora-modules needs --enable-lora")
+    return requests
 
 
 def add_negation(group: argparse._ArgumentGroup, flag: str, dest: str) -> None:
@@ -346,6 +393,7 @@ def worker_options(args: argparse.Namespace) -> WorkerOptions:
         tls=tls,
         health_port=args.health_port,
         metrics_port=args.metrics_port,
+        lora_modules=lora_modules(args),
         **role_options,
     )
 

@@ -33,4 +33,7 @@ def load_engine(options: WorkerOptions, **engine_kwargs: Any) -> LLMEngine:
         f"{runtime.max_model_len}, {engine.config.max_num_seqs} sequences at once",
         flush=True,
     )
+    for lora in options.lora_modules:
+        engine.add_lora(lora)  # a bad adapter stops the start with its ValueError
+        print(f"LORA {lora.lora_name} from {lora.lora_path}", flush=True)
     return engine

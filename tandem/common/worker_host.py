@@ -17,6 +17,7 @@ from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from tandem.common.grpc_server import AddServicer, RunningServer, start_server
+from tandem.common.lora import LoRARequest
 from tandem.common.metrics import ComponentMetrics, MetricsServer
 from tandem.common.process import SHUTDOWN_GRACE_S, arm_exit_watchdog, stop_on_signals
 from tandem.common.registry import (
@@ -75,6 +76,8 @@ class WorkerOptions:
     """A plaintext port answering gRPC health alone (for probes), when set."""
     metrics_port: int | None = None
     """Serve Prometheus ``GET /metrics`` here (0: a free port); ``None``: no endpoint."""
+    lora_modules: tuple[LoRARequest, ...] = ()
+    """LoRA adapters loaded at start-up (``--lora-modules``)."""
 
     @property
     def public_host(self) -> str:

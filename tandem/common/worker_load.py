@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Mapping
 from typing import Protocol
 
 from tandem.common.registry import BUSY_WINDOW_S, WorkerLoad
@@ -22,6 +23,10 @@ class EngineLoadLike(Protocol):
     num_preemptions: int
     spec_decode: SpecDecodeStatsLike | None
     busy_seconds: float
+    lora_adapters: Mapping[str, str]
+    lora_running: Mapping[str, int]
+    lora_waiting: Mapping[str, int]
+    max_loras: int
 
 
 class SpecDecodeStatsLike(Protocol):
@@ -68,6 +73,7 @@ def worker_load(load: EngineLoadLike, busy: BusyMeter | None = None) -> WorkerLo
         num_waiting_seqs=load.num_waiting + load.num_waiting_for_kv,
         num_queued_prefill_tokens=load.queued_prefill_tokens,
         busy_fraction=busy.update(load.busy_seconds) if busy is not None else 0.0,
+        adapters=dict(load.lora_adapters),
     )
 
 

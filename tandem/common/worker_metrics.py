@@ -115,6 +115,8 @@ def _engine_samples(load: EngineLoadLike) -> Iterator[Sample]:
     yield Sample(
         "engine_busy_seconds_total", "counter", "time the engine spent stepping", load.busy_seconds
     )
+    if load.max_loras:
+        yield from _lora_samples(load)
     spec = load.spec_decode
     if spec is not None:
         yield Sample(
@@ -157,4 +159,24 @@ def transfer_received(
             "failed KV pulls, by reason",
             count,
             {"reason": reason},
+        )
+
+
+def _lora_samples(load: EngineLoadLike) -> Iterator[Sample]:
+    """LoRA serving: vLLM's ``lora_requests_info`` (the adapters of the running and the
+    waiting requests, comma-separated, as labels), then Tandem's per-adapter counts."""
+    info = {
+        "running_lora_adapters": ",".join(sorted(load.lora_running)),
+        "waiting_lora_adapters": ",".join(sorted(load.lora_waiting)),
+        "max_lora": str(load.max_loras),
+    }
+    yield Sample("lora_requests_info", "gauge", "adapters of running / waiting requests", 1, info)
+    yield Sample("lora_adapters_loaded", "gauge", "LoRA adapters loaded", len(load.lora_adapters))
+    for name in sorted(load.lora_adapters):
+        yield Sample(
+            "lora_requests_running",
+            "gauge",
+            "running requests per LoRA adapter",
+            load.lora_running.get(name, 0),
+            {"adapter": name},
         )

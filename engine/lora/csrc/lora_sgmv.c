@@ -8,63 +8,150 @@
  *     expand:  y[t, off_j:off_{j+1}] += sum_r u[t, j*R + r] * Bt[s, j*R + r, off_j:off_{j+1}]
  *
  * The scaling (alpha / r) is folded into Bt. Split in two calls so a row-parallel layer
- * can sum u over its ranks in between. Rows are independent: OpenMP splits tokens. */
+ * can sum u over its ranks in between. Activations and sums are float32; the weights are
+ * float32 (_f32) or bfloat16 widened exactly on load (_bf16: half the bytes, which is
+ * what a decode step with many adapters waits for).
+ *
+ * Rows arrive sorted by slot, so the work is done in tiles of up to TILE consecutive rows
+ * of one slot: each weight row loaded is used for every row of the tile, and the tile's
+ * dot products are independent accumulators (a single one would wait on its own add
+ * latency); the expand runs CHUNK output columns at a time so the tile's rows of them
+ * stay in L1. OpenMP splits the tiles. Each row's sums run in a fixed order whatever its
+ * tile (and no FMA contraction: -ffp-contract=off), so a row's result does not depend
+ * on the batch around it. */
 #include <stdint.h>
 #include <string.h>
 
-static inline float dot(const float *restrict a, const float *restrict b, int64_t n) {
-    float acc = 0.0f;
-#pragma omp simd reduction(+ : acc)
-    for (int64_t i = 0; i < n; i++) acc += a[i] * b[i];
-    return acc;
+#define TILE 4
+#define CHUNK 512
+
+static inline float load_f32(const float *w, int64_t i) { return w[i]; }
+
+static inline float load_bf16(const uint16_t *w, int64_t i) {
+    union {
+        uint32_t u;
+        float f;
+    } v = {.u = (uint32_t)w[i] << 16};
+    return v.f;
 }
 
-void tandem_lora_shrink_f32(const float *x, int64_t x_stride, float *u, int64_t tokens,
-                            const int64_t *slots, const float *a, const int32_t *ranks,
-                            int64_t num_slices, int64_t max_rank, int64_t in_features,
-                            int threads) {
-    const int64_t width = num_slices * max_rank;
-#pragma omp parallel for num_threads(threads) schedule(static) if (tokens > 1 && threads > 1)
-    for (int64_t t = 0; t < tokens; t++) {
-        float *ut = u + t * width;
-        memset(ut, 0, sizeof(float) * width);
-        const int64_t s = slots[t];
-        if (s < 0) continue;
-        const int32_t rank = ranks[s];
-        const float *xt = x + t * x_stride;
-        for (int64_t j = 0; j < num_slices; j++)
-            for (int32_t r = 0; r < rank; r++) {
-                const int64_t row = j * max_rank + r;
-                ut[row] = dot(a + (s * width + row) * in_features, xt, in_features);
-            }
-    }
+/* [start, end) of the tile that begins at row t: up to TILE rows of slot slots[t]. */
+static inline int64_t tile_end(const int64_t *slots, int64_t t, int64_t tokens) {
+    int64_t end = t + 1;
+    while (end < tokens && end - t < TILE && slots[end] == slots[t]) end++;
+    return end;
 }
 
-void tandem_lora_expand_f32(const float *u, float *y, int64_t y_stride, int64_t tokens,
-                            const int64_t *slots, const float *bt, const int32_t *ranks,
-                            const int64_t *offsets, int64_t num_slices, int64_t max_rank,
-                            int64_t out_features, int threads) {
-    const int64_t width = num_slices * max_rank;
-#pragma omp parallel for num_threads(threads) schedule(static) if (tokens > 1 && threads > 1)
-    for (int64_t t = 0; t < tokens; t++) {
-        const int64_t s = slots[t];
-        if (s < 0) continue;
-        const int32_t rank = ranks[s];
-        const float *ut = u + t * width;
-        float *yt = y + t * y_stride;
-        for (int64_t j = 0; j < num_slices; j++) {
-            const int64_t lo = offsets[j], n = offsets[j + 1] - offsets[j];
-            float *restrict dst = yt + lo;
-            for (int32_t r = 0; r < rank; r++) {
-                const int64_t row = j * max_rank + r;
-                const float c = ut[row];
-                if (c == 0.0f) continue;
-                const float *restrict src = bt + (s * width + row) * out_features + lo;
-#pragma omp simd
-                for (int64_t o = 0; o < n; o++) dst[o] += c * src[o];
-            }
-        }
-    }
+/* Tile starts (a tile never crosses a change of slot), then ``tokens``; returns how many. */
+static int64_t tiles_of(const int64_t *slots, int64_t tokens, int64_t *starts) {
+    int64_t n = 0;
+    for (int64_t t = 0; t < tokens; t = tile_end(slots, t, tokens)) starts[n++] = t;
+    starts[n] = tokens;
+    return n;
 }
+
+#define LORA_KERNELS(SUFFIX, WT, LOAD)                                                        \
+    static void shrink_tile_##SUFFIX(const float *x, int64_t xs, float *u, int64_t width,     \
+                                     const WT *a, int64_t in, int64_t t0, int64_t n,          \
+                                     int32_t rank, int64_t num_slices, int64_t max_rank) {    \
+        const float *x0 = x + t0 * xs, *x1 = x0 + (n > 1) * xs, *x2 = x0 + (n > 2) * 2 * xs,  \
+                    *x3 = x0 + (n > 3) * 3 * xs;                                              \
+        for (int64_t j = 0; j < num_slices; j++)                                              \
+            for (int32_t r = 0; r < rank; r++) {                                              \
+                const int64_t row = j * max_rank + r;                                         \
+                const WT *w = a + row * in;                                                   \
+                float s0 = 0.0f, s1 = 0.0f, s2 = 0.0f, s3 = 0.0f;                             \
+                _Pragma("omp simd reduction(+ : s0, s1, s2, s3)")                             \
+                for (int64_t i = 0; i < in; i++) {                                            \
+                    const float wi = LOAD(w, i);                                              \
+                    s0 += wi * x0[i];                                                         \
+                    s1 += wi * x1[i];                                                         \
+                    s2 += wi * x2[i];                                                         \
+                    s3 += wi * x3[i];                                                         \
+                }                                                                             \
+                const float s[TILE] = {s0, s1, s2, s3};                                       \
+                for (int64_t k = 0; k < n; k++) u[(t0 + k) * width + row] = s[k];             \
+            }                                                                                 \
+    }                                                                                         \
+                                                                                              \
+    static void expand_tile_##SUFFIX(const float *u, int64_t width, float *y, int64_t ys,     \
+                                     const WT *bt, int64_t out, const int64_t *offsets,       \
+                                     int64_t t0, int64_t n, int32_t rank, int64_t num_slices, \
+                                     int64_t max_rank) {                                      \
+        float *y0 = y + t0 * ys, *y1 = y0 + (n > 1) * ys, *y2 = y0 + (n > 2) * 2 * ys,        \
+              *y3 = y0 + (n > 3) * 3 * ys;                                                    \
+        const float *u0 = u + t0 * width;                                                     \
+        for (int64_t j = 0; j < num_slices; j++) {                                            \
+            const int64_t lo = offsets[j], hi = offsets[j + 1], row0 = j * max_rank;          \
+            for (int64_t c0 = lo; c0 < hi; c0 += CHUNK) {                                     \
+                const int64_t c1 = c0 + CHUNK < hi ? c0 + CHUNK : hi;                         \
+                for (int32_t r = 0; r < rank; r++) {                                          \
+                    const WT *w = bt + (row0 + r) * out;                                      \
+                    const int64_t col = row0 + r;                                             \
+                    const float a0 = u0[col], a1 = n > 1 ? u0[width + col] : 0.0f,            \
+                                a2 = n > 2 ? u0[2 * width + col] : 0.0f,                      \
+                                a3 = n > 3 ? u0[3 * width + col] : 0.0f;                      \
+                    if (n == TILE) {                                                          \
+                        _Pragma("omp simd") for (int64_t o = c0; o < c1; o++) {               \
+                            const float wo = LOAD(w, o);                                      \
+                            y0[o] += a0 * wo;                                                 \
+                            y1[o] += a1 * wo;                                                 \
+                            y2[o] += a2 * wo;                                                 \
+                            y3[o] += a3 * wo;                                                 \
+                        }                                                                     \
+                        continue;                                                             \
+                    }                                                                         \
+                    _Pragma("omp simd") for (int64_t o = c0; o < c1; o++) y0[o] +=            \
+                        a0 * LOAD(w, o);                                                      \
+                    if (n > 1) {                                                              \
+                        _Pragma("omp simd") for (int64_t o = c0; o < c1; o++) y1[o] +=        \
+                            a1 * LOAD(w, o);                                                  \
+                    }                                                                         \
+                    if (n > 2) {                                                              \
+                        _Pragma("omp simd") for (int64_t o = c0; o < c1; o++) y2[o] +=        \
+                            a2 * LOAD(w, o);                                                  \
+                    }                                                                         \
+                }                                                                             \
+            }                                                                                 \
+        }                                                                                     \
+    }                                                                                         \
+                                                                                              \
+    void tandem_lora_shrink_##SUFFIX(const float *x, int64_t x_stride, float *u,              \
+                                     int64_t tokens, const int64_t *slots, const WT *a,       \
+                                     const int32_t *ranks, int64_t num_slices,                \
+                                     int64_t max_rank, int64_t in_features, int threads) {    \
+        const int64_t width = num_slices * max_rank;                                          \
+        memset(u, 0, sizeof(float) * tokens * width);                                         \
+        int64_t starts[tokens + 1];                                                           \
+        const int64_t n_tiles = tiles_of(slots, tokens, starts);                              \
+        _Pragma("omp parallel for num_threads(threads) schedule(static) if (n_tiles > 1)")   \
+        for (int64_t k = 0; k < n_tiles; k++) {                                               \
+            const int64_t t0 = starts[k], n = starts[k + 1] - t0, s = slots[t0];              \
+            if (s < 0 || ranks[s] == 0) continue;                                             \
+            shrink_tile_##SUFFIX(x, x_stride, u, width, a + s * width * in_features,          \
+                                 in_features, t0, n, ranks[s], num_slices, max_rank);         \
+        }                                                                                     \
+    }                                                                                         \
+                                                                                              \
+    void tandem_lora_expand_##SUFFIX(const float *u, float *y, int64_t y_stride,              \
+                                     int64_t tokens, const int64_t *slots, const WT *bt,      \
+                                     const int32_t *ranks, const int64_t *offsets,            \
+                                     int64_t num_slices, int64_t max_rank,                    \
+                                     int64_t out_features, int threads) {                     \
+        const int64_t width = num_slices * max_rank;                                          \
+        int64_t starts[tokens + 1];                                                           \
+        const int64_t n_tiles = tiles_of(slots, tokens, starts);                              \
+        _Pragma("omp parallel for num_threads(threads) schedule(static) if (n_tiles > 1)")   \
+        for (int64_t k = 0; k < n_tiles; k++) {                                               \
+            const int64_t t0 = starts[k], n = starts[k + 1] - t0, s = slots[t0];              \
+            if (s < 0 || ranks[s] == 0) continue;                                             \
+            expand_tile_##SUFFIX(u, width, y, y_stride, bt + s * width * out_features,        \
+                                 out_features, offsets, t0, n, ranks[s], num_slices,          \
+                                 max_rank);                                                   \
+        }                                                                                     \
+    }
+
+LORA_KERNELS(f32, float, load_f32)
+LORA_KERNELS(bf16, uint16_t, load_bf16)
 
 const char *tandem_lora_isa(void) { return TANDEM_ISA; }

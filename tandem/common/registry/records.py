@@ -79,6 +79,8 @@ class WorkerLoad:
     """Share of recent time the engine spent stepping (decayed average, ``BUSY_WINDOW_S``):
     what a momentary queue does not show, e.g. a worker idle at every report but busy
     three times as often as the others."""
+    adapters: Mapping[str, str] = field(default_factory=dict, hash=False, compare=False)
+    """LoRA adapters loaded here: name -> KV namespace (the root of their block hashes)."""
 
     def __post_init__(self) -> None:
         _check(self.busy_fraction >= 0, "busy_fraction must be >= 0")
@@ -164,7 +166,16 @@ def _load_from_json(load: Mapping[str, object]) -> WorkerLoad:
         num_queued_prefill_tokens=_require(load, "num_queued_prefill_tokens", int),
         updated_at=float(_require(load, "updated_at", (int, float))),
         busy_fraction=float(load.get("busy_fraction", 0.0)),  # absent from older workers
+        adapters=_adapters(load.get("adapters", {})),  # absent without LoRA
     )
+
+
+def _adapters(value: object) -> dict[str, str]:
+    if not isinstance(value, dict) or not all(
+        isinstance(k, str) and isinstance(v, str) for k, v in value.items()
+    ):
+        raise ValueError("field 'adapters' must map adapter names to KV namespaces")
+    return dict(value)
 
 
 def _require(obj: Mapping[str, object], name: str, kind: type[_T] | tuple[type, ...]) -> _T:
