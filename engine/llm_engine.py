@@ -526,6 +526,7 @@ class LLMEngine:
             lora_running=_count_adapters(s.running),
             lora_waiting=_count_adapters([*s.waiting, *s.waiting_for_kv.values()]),
             max_loras=s.config.max_loras,
+            lora_resident=() if self.runner.lora is None else tuple(self.runner.lora.resident()),
         )
 
     def kv_usage(self) -> KVUsage:

@@ -107,3 +107,5 @@ class EngineLoad:
     """Queued requests per adapter."""
     max_loras: int = 0
     """Adapters one batch may mix (0: LoRA off)."""
+    lora_resident: tuple[str, ...] = ()
+    """Adapters in a slot or in memory here (the others are read from disk when used)."""

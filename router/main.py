@@ -25,6 +25,7 @@ from tandem.router.orchestrator import Orchestrator, OrchestratorConfig
 from tandem.router.rate_limit import RateLimit, RateLimiter
 from tandem.router.readiness import ReadinessRule, ReadinessTracker
 from tandem.router.rebalance import RebalanceConfig, Rebalancer
+from tandem.router.routing.adapters import DEFAULT_COLD_LOAD_TOKENS
 from tandem.router.routing.inflight import InflightLoad
 from tandem.router.routing.policy import PolicyName, make_policy
 from tandem.router.routing.prefix_aware import PrefixCost
@@ -87,6 +88,8 @@ class RouterOptions:
     chat_template: str | None = None
     """A chat template replacing the checkpoint's: a file's path or the template itself."""
     tool_call_parser: str | None = None
+    lora_cold_load_tokens: int = DEFAULT_COLD_LOAD_TOKENS
+    """See ``OrchestratorConfig.lora_cold_load_tokens``."""
     allow_runtime_lora_updating: bool = False
     """Serve ``/v1/load_lora_adapter`` and ``/v1/unload_lora_adapter`` (they make every
     worker read a path the caller names: off unless asked for, as in vLLM)."""
@@ -120,12 +123,13 @@ def workers_max_model_len(watcher: RegistryWatcher) -> int | None:
 
 
 def workers_adapters(watcher: RegistryWatcher) -> dict[str, str]:
-    """The LoRA adapters the live workers hold (name -> KV namespace): the names a
-    request may give as its model besides the base model's."""
+    """The LoRA adapters the live decode workers hold (name -> KV namespace): the names
+    a request may give as its model besides the base model's. A decode worker must hold
+    the adapter (it runs every request); a prefill pool without it leaves the prompt to
+    the decode worker."""
     adapters: dict[str, str] = {}
-    for role in WorkerRole:
-        for record in watcher.workers(role):
-            adapters.update(record.load.adapters)
+    for record in watcher.workers(WorkerRole.DECODE):
+        adapters.update(record.load.adapters)
     return adapters
 
 
@@ -237,6 +241,7 @@ async def run(
             disaggregation_min_tokens=options.disaggregation_min_tokens,
             max_local_prefill_tokens=options.max_local_prefill_tokens,
             stall=options.stall,
+            lora_cold_load_tokens=options.lora_cold_load_tokens,
         ),
         indexer=indexer,
         inflight=inflight,

@@ -48,6 +48,7 @@ from tandem.protos import common_pb2, worker_pb2
 from tandem.router.clients import WorkerClients
 from tandem.router.kv_index.indexer import KVIndexer
 from tandem.router.metrics import RouterMetrics
+from tandem.router.routing.adapters import DEFAULT_COLD_LOAD_TOKENS, excluded_for_adapter
 from tandem.router.routing.inflight import InflightLoad
 from tandem.router.routing.live_pools import LivePools
 from tandem.router.routing.policy import RoutingPolicy, RoutingRequest
@@ -106,6 +107,10 @@ class OrchestratorConfig:
     """When a decode stream that sends nothing counts as stalled (``router.stall``)."""
     suspect_hold_s: float = DEFAULT_HOLD_S
     """How long a worker a call just failed or stalled on is avoided (``router.suspects``)."""
+    lora_cold_load_tokens: int = DEFAULT_COLD_LOAD_TOKENS
+    """What reading a LoRA adapter from disk costs, in queued prompt tokens: a worker
+    with the adapter in memory is preferred unless its work exceeds the least by more
+    (``routing.adapters``)."""
 
 
 @dataclass(frozen=True)
@@ -525,12 +530,11 @@ class Orchestrator:
         )
 
     def _without_adapter(self, role: WorkerRole, lora_name: str | None) -> frozenset[str]:
-        """The workers of ``role`` that do not hold adapter ``lora_name`` (none for the
-        base model): a request of the adapter never goes there."""
-        if lora_name is None:
-            return frozenset()
-        return frozenset(
-            r.info.worker_id for r in self.watcher.workers(role) if lora_name not in r.load.adapters
+        """The workers of ``role`` a request of adapter ``lora_name`` does not go to:
+        those without it, and cold ones while a warm one is near (``routing.adapters``);
+        none for the base model."""
+        return excluded_for_adapter(
+            self.watcher.workers(role), lora_name, self.config.lora_cold_load_tokens
         )
 
     def _block_size(self) -> int | None:

@@ -371,3 +371,32 @@ def test_workers_advertise_adapters_and_report_them(base, adapters) -> None:
         )
         assert metrics.value("lora_requests_running", adapter="all8") == 1
         assert metrics.value("lora_adapters_loaded") == 2
+
+
+def test_router_prefers_workers_with_the_adapter_in_memory() -> None:
+    """Only holders serve an adapter; a warm one wins unless its queue is longer than
+    the least by more than a cold load costs."""
+    from tandem.common.registry import (
+        WorkerCapacity,
+        WorkerInfo,
+        WorkerLoad,
+        WorkerRecord,
+        WorkerRole,
+    )
+    from tandem.router.routing.adapters import excluded_for_adapter
+
+    def worker(name: str, queued: int, adapters: dict, resident: tuple = ()) -> WorkerRecord:
+        info = WorkerInfo(name, WorkerRole.DECODE, "a:1", "m", WorkerCapacity(64, 16, 8))
+        load = WorkerLoad(64, 0, 0, queued, adapters=adapters, resident_adapters=resident)
+        return WorkerRecord(info, load)
+
+    held = {"sql": "lora:sql:1"}
+    pool = [
+        worker("bare", 0, {}),
+        worker("cold", 0, held),
+        worker("warm", 200, held, ("sql",)),
+    ]
+    assert excluded_for_adapter(pool, None, 256) == frozenset()
+    assert excluded_for_adapter(pool, "sql", 256) == {"bare", "cold"}
+    assert excluded_for_adapter(pool, "sql", 100) == {"bare"}  # warm is too far behind
+    assert excluded_for_adapter(pool[:2], "sql", 256) == {"bare"}  # none warm: any holder

@@ -225,6 +225,13 @@ class LoRAManager:
     def active(self) -> list[str | None]:
         return list(self._slots)
 
+    def resident(self) -> list[str]:
+        """Adapters a batch can use without reading them from disk: in a slot or in
+        memory (any thread)."""
+        with self._lock:
+            in_memory = set(self._resident)
+        return sorted(in_memory | {n for n in self._slots if n is not None})
+
     # --- helpers -----------------------------------------------------------------------
 
     def _free_slot(self, taken: set[int]) -> int:

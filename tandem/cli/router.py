@@ -198,7 +198,19 @@ def add_chat_options(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def add_lora_router_options(parser: argparse.ArgumentParser) -> None:
+def add_lora_router_options(parser: argparse.ArgumentParser, router: bool = True) -> None:
+    """The router's LoRA flags (``router=False``: only those ``serve`` passes on)."""
+    from tandem.router.routing.adapters import DEFAULT_COLD_LOAD_TOKENS
+
+    if router:
+        parser.add_argument(
+            "--lora-cold-load-tokens",
+            type=int,
+            default=DEFAULT_COLD_LOAD_TOKENS,
+            help="what reading a LoRA adapter from disk costs, in queued prompt tokens: a "
+            "request goes to a worker with its adapter in memory unless that worker's queue "
+            f"is longer than the least by more (default: {DEFAULT_COLD_LOAD_TOKENS})",
+        )
     parser.add_argument(
         "--allow-runtime-lora-updating",
         action="store_true",
@@ -387,4 +399,5 @@ def router_options(args: argparse.Namespace) -> RouterOptions:
         tool_call_parser=tool_call_parser(args),
         rebalance=rebalance,
         allow_runtime_lora_updating=allow_runtime_lora_updating(args),
+        lora_cold_load_tokens=args.lora_cold_load_tokens,
     )

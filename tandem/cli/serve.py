@@ -185,7 +185,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         '\'{"model": "DRAFT_DIR", "num_speculative_tokens": 4}\'',
     )
     add_chat_options(serve)
-    add_lora_router_options(serve)
+    add_lora_router_options(serve, router=False)
     from tandem.cli.worker import add_lora_modules
 
     add_lora_modules(serve)

@@ -27,6 +27,7 @@ class EngineLoadLike(Protocol):
     lora_running: Mapping[str, int]
     lora_waiting: Mapping[str, int]
     max_loras: int
+    lora_resident: tuple[str, ...]
 
 
 class SpecDecodeStatsLike(Protocol):
@@ -74,6 +75,7 @@ def worker_load(load: EngineLoadLike, busy: BusyMeter | None = None) -> WorkerLo
         num_queued_prefill_tokens=load.queued_prefill_tokens,
         busy_fraction=busy.update(load.busy_seconds) if busy is not None else 0.0,
         adapters=dict(load.lora_adapters),
+        resident_adapters=tuple(load.lora_resident),
     )
 
 

@@ -81,6 +81,8 @@ class WorkerLoad:
     three times as often as the others."""
     adapters: Mapping[str, str] = field(default_factory=dict, hash=False, compare=False)
     """LoRA adapters loaded here: name -> KV namespace (the root of their block hashes)."""
+    resident_adapters: tuple[str, ...] = ()
+    """Of those, the ones in memory (the others are read from disk when next used)."""
 
     def __post_init__(self) -> None:
         _check(self.busy_fraction >= 0, "busy_fraction must be >= 0")
@@ -167,7 +169,14 @@ def _load_from_json(load: Mapping[str, object]) -> WorkerLoad:
         updated_at=float(_require(load, "updated_at", (int, float))),
         busy_fraction=float(load.get("busy_fraction", 0.0)),  # absent from older workers
         adapters=_adapters(load.get("adapters", {})),  # absent without LoRA
+        resident_adapters=_names(load.get("resident_adapters", [])),
     )
+
+
+def _names(value: object) -> tuple[str, ...]:
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise ValueError("field 'resident_adapters' must be a list of adapter names")
+    return tuple(value)
 
 
 def _adapters(value: object) -> dict[str, str]:
