@@ -211,6 +211,31 @@ def test_tensor_parallel_adapters_equal_peft(base, adapters) -> None:
         _mixed_batch_equals_peft(llm, base, adapters, n=2)
 
 
+@pytest.mark.slow
+def test_tensor_parallel_int8_base_with_adapters_equals_one_rank(base, adapters) -> None:
+    """int8 weights split over two ranks (the row-parallel int8 product sums integers
+    over the ranks; the adapters' partial products are summed apart) give the tokens of
+    the same int8 model on one rank, adapters mixed in the batch."""
+    prompts = random_prompts(2, 4096, (5, 30), seed=6)
+    loras = _requests(adapters)
+    batch = [p for p in prompts for _ in loras]
+    which = [lo for _ in prompts for lo in loras]
+    tokens = []
+    for size in (1, 2):
+        with LLM(
+            base,
+            dtype="float32",
+            num_kv_blocks=256,
+            enable_lora=True,
+            max_loras=3,
+            quantization="int8",
+            tensor_parallel_size=size,
+            num_threads=1,
+        ) as llm:
+            tokens.append([o.token_ids for o in llm.generate(batch, GREEDY, lora_request=which)])
+    assert tokens[0] == tokens[1]
+
+
 @pytest.mark.parametrize(
     "settings", [{"quantization": "int8"}, {"lora_dtype": "bfloat16"}], ids=["int8", "lora-bf16"]
 )
