@@ -194,7 +194,6 @@ class LLMEngine:
         self._ids = itertools.count()
         self._structured: StructuredOutputs | None = None
         self._structured_lock = threading.Lock()  # servers prepare constraints off-thread
-        self._lora_namespaces: dict[str, str] = {}
 
     @property
     def structured(self) -> StructuredOutputs:
@@ -252,23 +251,23 @@ class LLMEngine:
 
     # --- LoRA adapters -------------------------------------------------------------------
 
-    def add_lora(self, lora_request: LoRARequest) -> None:
+    def add_lora(self, lora_request: LoRARequest) -> bool:
         """Load an adapter for requests to name (vLLM's ``add_lora``): read, checked
         against the model and ``max_lora_rank``, kept in CPU memory until a batch needs
-        it. Safe to call from another thread while the engine steps; ``ValueError``
-        naming the adapter and the fault (nothing changes then)."""
-        adapter = self._lora_manager().add(lora_request)
-        # copied, not changed in place: ``load`` reads it from the engine thread
-        self._lora_namespaces = {**self._lora_namespaces, adapter.name: adapter.kv_namespace}
+        it; returns whether the name is new here. Safe to call from another thread while
+        the engine steps; ``ValueError`` naming the adapter and the fault (nothing
+        changes then)."""
+        return self._lora_manager().add(lora_request)
 
-    def remove_lora(self, name: str) -> bool:
+    def remove_lora(self, name: str, dry_run: bool = False) -> bool:
         """Unload adapter ``name``; ``False`` if it is not loaded. Refused
-        (``ValueError``) while requests of it are unfinished."""
+        (``ValueError``) while requests of it are unfinished. ``dry_run``: only check."""
         manager = self._lora_manager()
         busy = sum(1 for r in self.requests.values() if r.lora_name == name)
         if busy:
             raise ValueError(f"LoRA adapter {name!r} has {busy} unfinished requests")
-        self._lora_namespaces = {k: v for k, v in self._lora_namespaces.items() if k != name}
+        if dry_run:
+            return manager.get(name) is not None
         return manager.remove(name)
 
     def list_loras(self) -> list[LoRARequest]:
@@ -294,7 +293,7 @@ class LLMEngine:
         if isinstance(lora_request, LoRARequest):
             known = manager.get(lora_request.lora_name)
             if known is None or known.lora_path != lora_request.lora_path:
-                manager.add(lora_request)
+                manager.add(lora_request)  # refused when the name has another path
             name = lora_request.lora_name
         else:
             name = lora_request
@@ -430,6 +429,7 @@ class LLMEngine:
         always has (speculating there would change its step count, the counters and a
         seeded request's random stream), and a request aborted in between had its drafts
         dropped with it."""
+        dropped = self._drop_unreadable_adapters() if self.runner.lora is not None else []
         drafts, self._next_drafts = self._next_drafts, Drafts()
         plan = self.scheduler.schedule(drafts.token_ids)
         self._kv_pulls.extend(plan.kv_pulls)
@@ -438,17 +438,40 @@ class LLMEngine:
             for request in plan.preempted:
                 self.speculator.forget(request.request_id)
         if not plan.chunks:
-            return []
+            return dropped
         result = self.runner.execute(plan, drafts.probs)
         self.num_steps += 1
         updates = self.scheduler.update(plan, result.sampled)
         deltas = [self._emit(u, result.logprobs.get(u.request.request_id, [])) for u in updates]
+        deltas += dropped
         if self.speculator is not None:
             self._next_drafts = self._speculate(self.speculator, updates)
         self._track_kv_usage()
         events = self.block_pool.take_events()
         if events and self._on_kv_events is not None:
             self._on_kv_events(events)
+        return deltas
+
+    def _drop_unreadable_adapters(self) -> list[RequestDelta]:
+        """End (``abort``) the requests of adapters this step may need that are in no
+        slot, out of memory and can no longer be read (their files changed or went
+        away), so one broken adapter fails its own requests, not the step."""
+        s = self.scheduler
+        queued = [*s.running, *s.waiting, *s.waiting_for_kv.values()]
+        names = {r.lora_name for r in queued if r.lora_name is not None}
+        failed = self.runner.lora.unreadable(names) if names else {}
+        deltas = []
+        for request in queued:
+            why = failed.get(request.lora_name)
+            if why is None or request.is_finished:
+                continue
+            log.error("request %s ends: %s", request.request_id, why)
+            self.scheduler.finish(request, FinishReason.ABORT)
+            self.requests.pop(request.request_id, None)
+            self.text_streams.pop(request.request_id, None)
+            if self.speculator is not None:
+                self.speculator.forget(request.request_id)
+            deltas.append(RequestDelta(request.request_id, [], "", FinishReason.ABORT.value, []))
         return deltas
 
     def _speculate(self, speculator: Speculator, updates: list[StepUpdate]) -> Drafts:
@@ -522,7 +545,7 @@ class LLMEngine:
             num_preemptions=s.num_preemptions,
             spec_decode=None if self.speculator is None else replace(self.speculator.stats),
             busy_seconds=self.busy_seconds,
-            lora_adapters=dict(self._lora_namespaces),
+            lora_adapters={} if self.runner.lora is None else self.runner.lora.namespaces(),
             lora_running=_count_adapters(s.running),
             lora_waiting=_count_adapters([*s.waiting, *s.waiting_for_kv.values()]),
             max_loras=s.config.max_loras,

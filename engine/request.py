@@ -83,6 +83,8 @@ class Request:
     kv_namespace: str = ""
     """The root of its block hashes: the adapter's (``tandem.common.lora.kv_namespace``),
     empty for the base model, so KV is never shared across adapters."""
+    num_lora_waits: int = 0
+    """Steps it waited because its adapter found no free slot in the batch."""
 
     def __post_init__(self) -> None:
         self.all_token_ids = [*self.prompt_token_ids, *self.output_token_ids]

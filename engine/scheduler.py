@@ -40,6 +40,10 @@ from tandem.engine.kv_cache_manager import KVCacheManager
 from tandem.engine.request import FinishReason, PrefillMode, Request, RequestStatus
 from tandem.engine.stopping import check_token_stop
 
+LORA_WAIT_STEPS = 32
+"""Steps a request may wait for a free adapter slot before the adapters ahead of it stop
+taking new requests (``Scheduler._admit``)."""
+
 NO_DRAFTS: Mapping[str, tuple[int, ...]] = MappingProxyType({})
 """No request speculates this step (the default of ``Scheduler.schedule``)."""
 
@@ -323,13 +327,21 @@ class Scheduler:
     def _admit(self, budget: int, chunks: list[ScheduledChunk], pulls: list[KVPull]) -> None:
         """Admit waiting requests in order while budget, ``max_num_seqs`` and blocks last.
         A request whose adapter would be one more than ``max_loras`` in the batch waits
-        (those behind it may go ahead)."""
+        (those behind it may go ahead); once one has waited so for ``LORA_WAIT_STEPS``
+        steps, no adapter request behind it is admitted until it is, so the batch's
+        adapters drain and free a slot for it (base requests still go ahead)."""
         adapters = self._adapters_in_batch()
+        starved = False
         i = 0
         while i < len(self.waiting) and self.num_seqs < self.config.max_num_seqs:
             request = self.waiting[i]
             name = request.lora_name
-            if name is not None and name not in adapters and len(adapters) >= self.config.max_loras:
+            if name is not None and (
+                starved or (name not in adapters and len(adapters) >= self.config.max_loras)
+            ):
+                if name not in adapters:
+                    request.num_lora_waits += 1
+                    starved |= request.num_lora_waits > LORA_WAIT_STEPS
                 i += 1
                 continue
             if self._awaits_remote_kv(request):

@@ -25,17 +25,17 @@ _sym_db = _symbol_database.Default()
 from tandem.protos import common_pb2 as tandem_dot_protos_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1atandem/protos/worker.proto\x12\ttandem.v1\x1a\x1atandem/protos/common.proto\"\x90\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12+\n\x08sampling\x18\x03 \x01(\x0b\x32\x19.tandem.v1.SamplingParams\x12\x10\n\x08priority\x18\x04 \x01(\x05\x12\x11\n\tlora_name\x18\x05 \x01(\t\"\x89\x01\n\x08KVHandle\x12\x19\n\x11prefill_worker_id\x18\x01 \x01(\t\x12\x13\n\x0bkv_endpoint\x18\x02 \x01(\t\x12\x10\n\x08lease_id\x18\x03 \x01(\t\x12\x12\n\nnum_tokens\x18\x04 \x01(\r\x12\x12\n\nnum_blocks\x18\x05 \x01(\r\x12\x13\n\x0blease_ttl_s\x18\x06 \x01(\x01\"\xca\x01\n\x0fPrefillResponse\x12\x16\n\x0e\x66irst_token_id\x18\x01 \x01(\r\x12\x30\n\x0e\x66irst_logprobs\x18\x02 \x01(\x0b\x32\x18.tandem.v1.TokenLogprobs\x12.\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x17.tandem.v1.FinishReason\x12\x1f\n\x02kv\x18\x04 \x01(\x0b\x32\x13.tandem.v1.KVHandle\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x05 \x01(\r\"\xca\x01\n\rDecodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12\x18\n\x10output_token_ids\x18\x03 \x03(\r\x12+\n\x08sampling\x18\x04 \x01(\x0b\x32\x19.tandem.v1.SamplingParams\x12\x10\n\x08priority\x18\x05 \x01(\x05\x12\x1f\n\x02kv\x18\x06 \x01(\x0b\x32\x13.tandem.v1.KVHandle\x12\x11\n\tlora_name\x18\x07 \x01(\t\"\xb6\x02\n\x0e\x44\x65\x63odeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12*\n\x08logprobs\x18\x02 \x03(\x0b\x32\x18.tandem.v1.TokenLogprobs\x12.\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x17.tandem.v1.FinishReason\x12&\n\tkv_source\x18\x04 \x01(\x0e\x32\x13.tandem.v1.KVSource\x12\x15\n\rblocks_pulled\x18\x05 \x01(\r\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x06 \x01(\r\x12\x32\n\x0fmigration_cause\x18\x07 \x01(\x0e\x32\x19.tandem.v1.MigrationCause\x12$\n\x07handoff\x18\x08 \x01(\x0b\x32\x13.tandem.v1.KVHandle\"x\n\x0eMigrateRequest\x12\x13\n\x0brequest_ids\x18\x01 \x03(\t\x12\x12\n\nnum_blocks\x18\x02 \x01(\r\x12\x13\n\x0bnum_streams\x18\x04 \x01(\r\x12(\n\x05\x63\x61use\x18\x03 \x01(\x0e\x32\x19.tandem.v1.MigrationCause\":\n\x0fMigrateResponse\x12\x13\n\x0brequest_ids\x18\x01 \x03(\t\x12\x12\n\nnum_blocks\x18\x02 \x01(\r\"P\n\x0fLoadLoRARequest\x12\x11\n\tlora_name\x18\x01 \x01(\t\x12\x11\n\tlora_path\x18\x02 \x01(\t\x12\x17\n\x0f\x62\x61se_model_name\x18\x03 \x01(\t\"(\n\x10LoadLoRAResponse\x12\x14\n\x0ckv_namespace\x18\x01 \x01(\t\"&\n\x11UnloadLoRARequest\x12\x11\n\tlora_name\x18\x01 \x01(\t\"#\n\x12UnloadLoRAResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\x0f\n\rStatusRequest\"\x80\x03\n\x0cWorkerStatus\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0c\n\x04role\x18\x02 \x01(\t\x12\x15\n\rnum_kv_blocks\x18\x03 \x01(\r\x12\x1a\n\x12num_free_kv_blocks\x18\x04 \x01(\r\x12\x1c\n\x14num_cached_kv_blocks\x18\x05 \x01(\r\x12\x13\n\x0bnum_running\x18\x06 \x01(\r\x12\x13\n\x0bnum_waiting\x18\x07 \x01(\r\x12\x12\n\nnum_leases\x18\x08 \x01(\r\x12\x16\n\x0ekv_blocks_sent\x18\t \x01(\x04\x12\x1a\n\x12kv_blocks_received\x18\n \x01(\x04\x12\x15\n\rnum_fallbacks\x18\x0b \x01(\x04\x12\x17\n\x0fnum_preemptions\x18\x0c \x01(\x04\x12\x14\n\x0cnum_requests\x18\r \x01(\x04\x12\x30\n\x0bspec_decode\x18\x0e \x01(\x0b\x32\x1b.tandem.v1.SpecDecodeStatus\x12\x14\n\x0c\x62usy_seconds\x18\x0f \x01(\x01\"\xcf\x01\n\x10SpecDecodeStatus\x12\x19\n\x11num_verifications\x18\x01 \x01(\x04\x12\x18\n\x10num_draft_tokens\x18\x02 \x01(\x04\x12\x1b\n\x13num_accepted_tokens\x18\x03 \x01(\x04\x12\x1a\n\x12num_emitted_tokens\x18\x04 \x01(\x04\x12\x1a\n\x12num_request_passes\x18\x05 \x01(\x04\x12\x17\n\x0fnum_pass_tokens\x18\x06 \x01(\x04\x12\x18\n\x10proposer_seconds\x18\x07 \x01(\x01\"4\n\x0c\x42locksStored\x12\x14\n\x0c\x62lock_hashes\x18\x01 \x01(\x0c\x12\x0e\n\x06parent\x18\x02 \x01(\x0c\"%\n\rBlocksEvicted\x12\x14\n\x0c\x62lock_hashes\x18\x01 \x01(\x0c\"\x0e\n\x0c\x43\x61\x63heCleared\"\x9a\x01\n\x0cKVCacheEvent\x12)\n\x06stored\x18\x01 \x01(\x0b\x32\x17.tandem.v1.BlocksStoredH\x00\x12+\n\x07\x65victed\x18\x02 \x01(\x0b\x32\x18.tandem.v1.BlocksEvictedH\x00\x12*\n\x07\x63leared\x18\x03 \x01(\x0b\x32\x17.tandem.v1.CacheClearedH\x00\x42\x06\n\x04kind\"\x8d\x01\n\x0cKVEventBatch\x12\x0f\n\x07version\x18\x01 \x01(\r\x12\x11\n\tworker_id\x18\x02 \x01(\t\x12\r\n\x05\x65poch\x18\x03 \x01(\x04\x12\x0b\n\x03seq\x18\x04 \x01(\x04\x12\'\n\x06\x65vents\x18\x05 \x03(\x0b\x32\x17.tandem.v1.KVCacheEvent\x12\x14\n\x0cpublished_at\x18\x06 \x01(\x01\"\x19\n\x17ListCachedBlocksRequest\"g\n\x0c\x43\x61\x63hedBlocks\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\x04\x12\x0b\n\x03seq\x18\x03 \x01(\x04\x12\x14\n\x0c\x62lock_hashes\x18\x04 \x01(\x0c\x12\x12\n\nblock_size\x18\x05 \x01(\r*p\n\x08KVSource\x12\x19\n\x15KV_SOURCE_UNSPECIFIED\x10\x00\x12\x14\n\x10KV_SOURCE_PULLED\x10\x01\x12\x1b\n\x17KV_SOURCE_LOCAL_PREFILL\x10\x02\x12\x16\n\x12KV_SOURCE_FALLBACK\x10\x03*\x8a\x01\n\x0eMigrationCause\x12\x1f\n\x1bMIGRATION_CAUSE_UNSPECIFIED\x10\x00\x12\x19\n\x15MIGRATION_CAUSE_DRAIN\x10\x01\x12\x1d\n\x19MIGRATION_CAUSE_REBALANCE\x10\x02\x12\x1d\n\x19MIGRATION_CAUSE_REQUESTED\x10\x03\x32\xae\x03\n\rPrefillWorker\x12@\n\x07Prefill\x12\x19.tandem.v1.PrefillRequest\x1a\x1a.tandem.v1.PrefillResponse\x12:\n\x05\x41\x62ort\x12\x17.tandem.v1.AbortRequest\x1a\x18.tandem.v1.AbortResponse\x12>\n\tGetStatus\x12\x18.tandem.v1.StatusRequest\x1a\x17.tandem.v1.WorkerStatus\x12O\n\x10ListCachedBlocks\x12\".tandem.v1.ListCachedBlocksRequest\x1a\x17.tandem.v1.CachedBlocks\x12\x43\n\x08LoadLoRA\x12\x1a.tandem.v1.LoadLoRARequest\x1a\x1b.tandem.v1.LoadLoRAResponse\x12I\n\nUnloadLoRA\x12\x1c.tandem.v1.UnloadLoRARequest\x1a\x1d.tandem.v1.UnloadLoRAResponse2\xee\x03\n\x0c\x44\x65\x63odeWorker\x12?\n\x06\x44\x65\x63ode\x12\x18.tandem.v1.DecodeRequest\x1a\x19.tandem.v1.DecodeResponse0\x01\x12:\n\x05\x41\x62ort\x12\x17.tandem.v1.AbortRequest\x1a\x18.tandem.v1.AbortResponse\x12>\n\tGetStatus\x12\x18.tandem.v1.StatusRequest\x1a\x17.tandem.v1.WorkerStatus\x12O\n\x10ListCachedBlocks\x12\".tandem.v1.ListCachedBlocksRequest\x1a\x17.tandem.v1.CachedBlocks\x12@\n\x07Migrate\x12\x19.tandem.v1.MigrateRequest\x1a\x1a.tandem.v1.MigrateResponse\x12\x43\n\x08LoadLoRA\x12\x1a.tandem.v1.LoadLoRARequest\x1a\x1b.tandem.v1.LoadLoRAResponse\x12I\n\nUnloadLoRA\x12\x1c.tandem.v1.UnloadLoRARequest\x1a\x1d.tandem.v1.UnloadLoRAResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1atandem/protos/worker.proto\x12\ttandem.v1\x1a\x1atandem/protos/common.proto\"\x90\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12+\n\x08sampling\x18\x03 \x01(\x0b\x32\x19.tandem.v1.SamplingParams\x12\x10\n\x08priority\x18\x04 \x01(\x05\x12\x11\n\tlora_name\x18\x05 \x01(\t\"\x89\x01\n\x08KVHandle\x12\x19\n\x11prefill_worker_id\x18\x01 \x01(\t\x12\x13\n\x0bkv_endpoint\x18\x02 \x01(\t\x12\x10\n\x08lease_id\x18\x03 \x01(\t\x12\x12\n\nnum_tokens\x18\x04 \x01(\r\x12\x12\n\nnum_blocks\x18\x05 \x01(\r\x12\x13\n\x0blease_ttl_s\x18\x06 \x01(\x01\"\xca\x01\n\x0fPrefillResponse\x12\x16\n\x0e\x66irst_token_id\x18\x01 \x01(\r\x12\x30\n\x0e\x66irst_logprobs\x18\x02 \x01(\x0b\x32\x18.tandem.v1.TokenLogprobs\x12.\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x17.tandem.v1.FinishReason\x12\x1f\n\x02kv\x18\x04 \x01(\x0b\x32\x13.tandem.v1.KVHandle\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x05 \x01(\r\"\xca\x01\n\rDecodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12\x18\n\x10output_token_ids\x18\x03 \x03(\r\x12+\n\x08sampling\x18\x04 \x01(\x0b\x32\x19.tandem.v1.SamplingParams\x12\x10\n\x08priority\x18\x05 \x01(\x05\x12\x1f\n\x02kv\x18\x06 \x01(\x0b\x32\x13.tandem.v1.KVHandle\x12\x11\n\tlora_name\x18\x07 \x01(\t\"\xb6\x02\n\x0e\x44\x65\x63odeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12*\n\x08logprobs\x18\x02 \x03(\x0b\x32\x18.tandem.v1.TokenLogprobs\x12.\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x17.tandem.v1.FinishReason\x12&\n\tkv_source\x18\x04 \x01(\x0e\x32\x13.tandem.v1.KVSource\x12\x15\n\rblocks_pulled\x18\x05 \x01(\r\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x06 \x01(\r\x12\x32\n\x0fmigration_cause\x18\x07 \x01(\x0e\x32\x19.tandem.v1.MigrationCause\x12$\n\x07handoff\x18\x08 \x01(\x0b\x32\x13.tandem.v1.KVHandle\"x\n\x0eMigrateRequest\x12\x13\n\x0brequest_ids\x18\x01 \x03(\t\x12\x12\n\nnum_blocks\x18\x02 \x01(\r\x12\x13\n\x0bnum_streams\x18\x04 \x01(\r\x12(\n\x05\x63\x61use\x18\x03 \x01(\x0e\x32\x19.tandem.v1.MigrationCause\":\n\x0fMigrateResponse\x12\x13\n\x0brequest_ids\x18\x01 \x03(\t\x12\x12\n\nnum_blocks\x18\x02 \x01(\r\"P\n\x0fLoadLoRARequest\x12\x11\n\tlora_name\x18\x01 \x01(\t\x12\x11\n\tlora_path\x18\x02 \x01(\t\x12\x17\n\x0f\x62\x61se_model_name\x18\x03 \x01(\t\"7\n\x10LoadLoRAResponse\x12\x14\n\x0ckv_namespace\x18\x01 \x01(\t\x12\r\n\x05\x61\x64\x64\x65\x64\x18\x02 \x01(\x08\"7\n\x11UnloadLoRARequest\x12\x11\n\tlora_name\x18\x01 \x01(\t\x12\x0f\n\x07\x64ry_run\x18\x02 \x01(\x08\"#\n\x12UnloadLoRAResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\x0f\n\rStatusRequest\"\x80\x03\n\x0cWorkerStatus\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0c\n\x04role\x18\x02 \x01(\t\x12\x15\n\rnum_kv_blocks\x18\x03 \x01(\r\x12\x1a\n\x12num_free_kv_blocks\x18\x04 \x01(\r\x12\x1c\n\x14num_cached_kv_blocks\x18\x05 \x01(\r\x12\x13\n\x0bnum_running\x18\x06 \x01(\r\x12\x13\n\x0bnum_waiting\x18\x07 \x01(\r\x12\x12\n\nnum_leases\x18\x08 \x01(\r\x12\x16\n\x0ekv_blocks_sent\x18\t \x01(\x04\x12\x1a\n\x12kv_blocks_received\x18\n \x01(\x04\x12\x15\n\rnum_fallbacks\x18\x0b \x01(\x04\x12\x17\n\x0fnum_preemptions\x18\x0c \x01(\x04\x12\x14\n\x0cnum_requests\x18\r \x01(\x04\x12\x30\n\x0bspec_decode\x18\x0e \x01(\x0b\x32\x1b.tandem.v1.SpecDecodeStatus\x12\x14\n\x0c\x62usy_seconds\x18\x0f \x01(\x01\"\xcf\x01\n\x10SpecDecodeStatus\x12\x19\n\x11num_verifications\x18\x01 \x01(\x04\x12\x18\n\x10num_draft_tokens\x18\x02 \x01(\x04\x12\x1b\n\x13num_accepted_tokens\x18\x03 \x01(\x04\x12\x1a\n\x12num_emitted_tokens\x18\x04 \x01(\x04\x12\x1a\n\x12num_request_passes\x18\x05 \x01(\x04\x12\x17\n\x0fnum_pass_tokens\x18\x06 \x01(\x04\x12\x18\n\x10proposer_seconds\x18\x07 \x01(\x01\"4\n\x0c\x42locksStored\x12\x14\n\x0c\x62lock_hashes\x18\x01 \x01(\x0c\x12\x0e\n\x06parent\x18\x02 \x01(\x0c\"%\n\rBlocksEvicted\x12\x14\n\x0c\x62lock_hashes\x18\x01 \x01(\x0c\"\x0e\n\x0c\x43\x61\x63heCleared\"\x9a\x01\n\x0cKVCacheEvent\x12)\n\x06stored\x18\x01 \x01(\x0b\x32\x17.tandem.v1.BlocksStoredH\x00\x12+\n\x07\x65victed\x18\x02 \x01(\x0b\x32\x18.tandem.v1.BlocksEvictedH\x00\x12*\n\x07\x63leared\x18\x03 \x01(\x0b\x32\x17.tandem.v1.CacheClearedH\x00\x42\x06\n\x04kind\"\x8d\x01\n\x0cKVEventBatch\x12\x0f\n\x07version\x18\x01 \x01(\r\x12\x11\n\tworker_id\x18\x02 \x01(\t\x12\r\n\x05\x65poch\x18\x03 \x01(\x04\x12\x0b\n\x03seq\x18\x04 \x01(\x04\x12\'\n\x06\x65vents\x18\x05 \x03(\x0b\x32\x17.tandem.v1.KVCacheEvent\x12\x14\n\x0cpublished_at\x18\x06 \x01(\x01\"\x19\n\x17ListCachedBlocksRequest\"g\n\x0c\x43\x61\x63hedBlocks\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\x04\x12\x0b\n\x03seq\x18\x03 \x01(\x04\x12\x14\n\x0c\x62lock_hashes\x18\x04 \x01(\x0c\x12\x12\n\nblock_size\x18\x05 \x01(\r*p\n\x08KVSource\x12\x19\n\x15KV_SOURCE_UNSPECIFIED\x10\x00\x12\x14\n\x10KV_SOURCE_PULLED\x10\x01\x12\x1b\n\x17KV_SOURCE_LOCAL_PREFILL\x10\x02\x12\x16\n\x12KV_SOURCE_FALLBACK\x10\x03*\x8a\x01\n\x0eMigrationCause\x12\x1f\n\x1bMIGRATION_CAUSE_UNSPECIFIED\x10\x00\x12\x19\n\x15MIGRATION_CAUSE_DRAIN\x10\x01\x12\x1d\n\x19MIGRATION_CAUSE_REBALANCE\x10\x02\x12\x1d\n\x19MIGRATION_CAUSE_REQUESTED\x10\x03\x32\xae\x03\n\rPrefillWorker\x12@\n\x07Prefill\x12\x19.tandem.v1.PrefillRequest\x1a\x1a.tandem.v1.PrefillResponse\x12:\n\x05\x41\x62ort\x12\x17.tandem.v1.AbortRequest\x1a\x18.tandem.v1.AbortResponse\x12>\n\tGetStatus\x12\x18.tandem.v1.StatusRequest\x1a\x17.tandem.v1.WorkerStatus\x12O\n\x10ListCachedBlocks\x12\".tandem.v1.ListCachedBlocksRequest\x1a\x17.tandem.v1.CachedBlocks\x12\x43\n\x08LoadLoRA\x12\x1a.tandem.v1.LoadLoRARequest\x1a\x1b.tandem.v1.LoadLoRAResponse\x12I\n\nUnloadLoRA\x12\x1c.tandem.v1.UnloadLoRARequest\x1a\x1d.tandem.v1.UnloadLoRAResponse2\xee\x03\n\x0c\x44\x65\x63odeWorker\x12?\n\x06\x44\x65\x63ode\x12\x18.tandem.v1.DecodeRequest\x1a\x19.tandem.v1.DecodeResponse0\x01\x12:\n\x05\x41\x62ort\x12\x17.tandem.v1.AbortRequest\x1a\x18.tandem.v1.AbortResponse\x12>\n\tGetStatus\x12\x18.tandem.v1.StatusRequest\x1a\x17.tandem.v1.WorkerStatus\x12O\n\x10ListCachedBlocks\x12\".tandem.v1.ListCachedBlocksRequest\x1a\x17.tandem.v1.CachedBlocks\x12@\n\x07Migrate\x12\x19.tandem.v1.MigrateRequest\x1a\x1a.tandem.v1.MigrateResponse\x12\x43\n\x08LoadLoRA\x12\x1a.tandem.v1.LoadLoRARequest\x1a\x1b.tandem.v1.LoadLoRAResponse\x12I\n\nUnloadLoRA\x12\x1c.tandem.v1.UnloadLoRARequest\x1a\x1d.tandem.v1.UnloadLoRAResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'tandem.protos.worker_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_KVSOURCE']._serialized_start=2686
-  _globals['_KVSOURCE']._serialized_end=2798
-  _globals['_MIGRATIONCAUSE']._serialized_start=2801
-  _globals['_MIGRATIONCAUSE']._serialized_end=2939
+  _globals['_KVSOURCE']._serialized_start=2718
+  _globals['_KVSOURCE']._serialized_end=2830
+  _globals['_MIGRATIONCAUSE']._serialized_start=2833
+  _globals['_MIGRATIONCAUSE']._serialized_end=2971
   _globals['_PREFILLREQUEST']._serialized_start=70
   _globals['_PREFILLREQUEST']._serialized_end=214
   _globals['_KVHANDLE']._serialized_start=217
@@ -53,37 +53,37 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_LOADLORAREQUEST']._serialized_start=1261
   _globals['_LOADLORAREQUEST']._serialized_end=1341
   _globals['_LOADLORARESPONSE']._serialized_start=1343
-  _globals['_LOADLORARESPONSE']._serialized_end=1383
-  _globals['_UNLOADLORAREQUEST']._serialized_start=1385
-  _globals['_UNLOADLORAREQUEST']._serialized_end=1423
-  _globals['_UNLOADLORARESPONSE']._serialized_start=1425
-  _globals['_UNLOADLORARESPONSE']._serialized_end=1460
-  _globals['_ABORTREQUEST']._serialized_start=1462
-  _globals['_ABORTREQUEST']._serialized_end=1496
-  _globals['_ABORTRESPONSE']._serialized_start=1498
-  _globals['_ABORTRESPONSE']._serialized_end=1528
-  _globals['_STATUSREQUEST']._serialized_start=1530
-  _globals['_STATUSREQUEST']._serialized_end=1545
-  _globals['_WORKERSTATUS']._serialized_start=1548
-  _globals['_WORKERSTATUS']._serialized_end=1932
-  _globals['_SPECDECODESTATUS']._serialized_start=1935
-  _globals['_SPECDECODESTATUS']._serialized_end=2142
-  _globals['_BLOCKSSTORED']._serialized_start=2144
-  _globals['_BLOCKSSTORED']._serialized_end=2196
-  _globals['_BLOCKSEVICTED']._serialized_start=2198
-  _globals['_BLOCKSEVICTED']._serialized_end=2235
-  _globals['_CACHECLEARED']._serialized_start=2237
-  _globals['_CACHECLEARED']._serialized_end=2251
-  _globals['_KVCACHEEVENT']._serialized_start=2254
-  _globals['_KVCACHEEVENT']._serialized_end=2408
-  _globals['_KVEVENTBATCH']._serialized_start=2411
-  _globals['_KVEVENTBATCH']._serialized_end=2552
-  _globals['_LISTCACHEDBLOCKSREQUEST']._serialized_start=2554
-  _globals['_LISTCACHEDBLOCKSREQUEST']._serialized_end=2579
-  _globals['_CACHEDBLOCKS']._serialized_start=2581
-  _globals['_CACHEDBLOCKS']._serialized_end=2684
-  _globals['_PREFILLWORKER']._serialized_start=2942
-  _globals['_PREFILLWORKER']._serialized_end=3372
-  _globals['_DECODEWORKER']._serialized_start=3375
-  _globals['_DECODEWORKER']._serialized_end=3869
+  _globals['_LOADLORARESPONSE']._serialized_end=1398
+  _globals['_UNLOADLORAREQUEST']._serialized_start=1400
+  _globals['_UNLOADLORAREQUEST']._serialized_end=1455
+  _globals['_UNLOADLORARESPONSE']._serialized_start=1457
+  _globals['_UNLOADLORARESPONSE']._serialized_end=1492
+  _globals['_ABORTREQUEST']._serialized_start=1494
+  _globals['_ABORTREQUEST']._serialized_end=1528
+  _globals['_ABORTRESPONSE']._serialized_start=1530
+  _globals['_ABORTRESPONSE']._serialized_end=1560
+  _globals['_STATUSREQUEST']._serialized_start=1562
+  _globals['_STATUSREQUEST']._serialized_end=1577
+  _globals['_WORKERSTATUS']._serialized_start=1580
+  _globals['_WORKERSTATUS']._serialized_end=1964
+  _globals['_SPECDECODESTATUS']._serialized_start=1967
+  _globals['_SPECDECODESTATUS']._serialized_end=2174
+  _globals['_BLOCKSSTORED']._serialized_start=2176
+  _globals['_BLOCKSSTORED']._serialized_end=2228
+  _globals['_BLOCKSEVICTED']._serialized_start=2230
+  _globals['_BLOCKSEVICTED']._serialized_end=2267
+  _globals['_CACHECLEARED']._serialized_start=2269
+  _globals['_CACHECLEARED']._serialized_end=2283
+  _globals['_KVCACHEEVENT']._serialized_start=2286
+  _globals['_KVCACHEEVENT']._serialized_end=2440
+  _globals['_KVEVENTBATCH']._serialized_start=2443
+  _globals['_KVEVENTBATCH']._serialized_end=2584
+  _globals['_LISTCACHEDBLOCKSREQUEST']._serialized_start=2586
+  _globals['_LISTCACHEDBLOCKSREQUEST']._serialized_end=2611
+  _globals['_CACHEDBLOCKS']._serialized_start=2613
+  _globals['_CACHEDBLOCKS']._serialized_end=2716
+  _globals['_PREFILLWORKER']._serialized_start=2974
+  _globals['_PREFILLWORKER']._serialized_end=3404
+  _globals['_DECODEWORKER']._serialized_start=3407
+  _globals['_DECODEWORKER']._serialized_end=3901
 # @@protoc_insertion_point(module_scope)

@@ -230,7 +230,7 @@ async def run(
     watcher = RegistryWatcher(
         options.redis_url, options.model_name, on_join=on_join, on_leave=on_leave
     )
-    fleet = LoRAFleet(watcher, clients)
+    fleet = LoRAFleet(watcher, clients, validator.served_names)
     await watcher.start()
     orchestrator = Orchestrator(
         watcher,

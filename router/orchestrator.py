@@ -35,7 +35,7 @@ import dataclasses
 import itertools
 import logging
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Collection, Sequence
 from dataclasses import dataclass, field
 
 import grpc
@@ -277,12 +277,13 @@ class Orchestrator:
         ):
             return True
         suspects = self.suspects.current()
-        lora = routing.lora_name
         decode_pool = self.pools.view(
-            WorkerRole.DECODE, suspects | self._without_adapter(WorkerRole.DECODE, lora)
+            WorkerRole.DECODE,
+            suspects | self._without_adapter(WorkerRole.DECODE, routing, suspects),
         )
         prefill_pool = self.pools.view(
-            WorkerRole.PREFILL, suspects | self._without_adapter(WorkerRole.PREFILL, lora)
+            WorkerRole.PREFILL,
+            suspects | self._without_adapter(WorkerRole.PREFILL, routing, suspects),
         )
         holder, held, prefill_held = None, 0, 0
         for worker_id, blocks in self.indexer.overlap(routing.block_hashes).items():
@@ -527,14 +528,21 @@ class Orchestrator:
             hashes,
             request.priority,
             lora_name=request.lora_name,
+            lora_namespace=request.kv_namespace,
         )
 
-    def _without_adapter(self, role: WorkerRole, lora_name: str | None) -> frozenset[str]:
-        """The workers of ``role`` a request of adapter ``lora_name`` does not go to:
-        those without it, and cold ones while a warm one is near (``routing.adapters``);
-        none for the base model."""
+    def _without_adapter(
+        self, role: WorkerRole, routing: RoutingRequest, exclude: Collection[str]
+    ) -> frozenset[str]:
+        """The workers of ``role`` a request of an adapter does not go to beside
+        ``exclude``: those without it, and cold ones while a warm one is near
+        (``routing.adapters``); none for the base model."""
         return excluded_for_adapter(
-            self.watcher.workers(role), lora_name, self.config.lora_cold_load_tokens
+            self.watcher.workers(role),
+            routing.lora_name,
+            routing.lora_namespace,
+            self.config.lora_cold_load_tokens,
+            exclude,
         )
 
     def _block_size(self) -> int | None:
@@ -587,7 +595,7 @@ class Orchestrator:
     ) -> _Pick | None:
         """Choose (on the current snapshot) and record; no ``await`` in between."""
         start = time.perf_counter()
-        pool = self.pools.view(role, exclude | self._without_adapter(role, routing.lora_name))
+        pool = self.pools.view(role, exclude | self._without_adapter(role, routing, exclude))
         if policy.uses_prefix_match and self.indexer is not None and routing.block_hashes:
             routing = dataclasses.replace(
                 routing, matched_blocks=self.indexer.overlap(routing.block_hashes)

@@ -296,9 +296,10 @@ def _rename(old: str, new: str) -> Callable[[dict, dict], None]:
         ),
         (_rename("layers.0.self_attn.o_proj", "embed_tokens"), r"module model.embed_tokens: "),
         (lambda c, t: c.update(use_dora=True), r"uses DoRA"),
+        (lambda c, t: c.update(rank_pattern=["q_proj"]), r"rank_pattern must map modules"),
         (_rename("lora_B", "lora_C"), r"not a LoRA A/B weight"),
     ],
-    ids=["rank", "unknown-module", "embedding", "dora", "not-lora"],
+    ids=["rank", "unknown-module", "embedding", "dora", "bad-pattern", "not-lora"],
 )
 def test_bad_adapters_are_refused_by_name(base, adapters, tmp_path, edit, message) -> None:
     bad = _broken(adapters["mlp16"], tmp_path, edit)
@@ -415,13 +416,108 @@ def test_router_prefers_workers_with_the_adapter_in_memory() -> None:
         load = WorkerLoad(64, 0, 0, queued, adapters=adapters, resident_adapters=resident)
         return WorkerRecord(info, load)
 
-    held = {"sql": "lora:sql:1"}
+    held, ns = {"sql": "lora:sql:1"}, "lora:sql:1"
     pool = [
         worker("bare", 0, {}),
         worker("cold", 0, held),
         worker("warm", 200, held, ("sql",)),
+        worker("other-files", 0, {"sql": "lora:sql:2"}, ("sql",)),
     ]
-    assert excluded_for_adapter(pool, None, 256) == frozenset()
-    assert excluded_for_adapter(pool, "sql", 256) == {"bare", "cold"}
-    assert excluded_for_adapter(pool, "sql", 100) == {"bare"}  # warm is too far behind
-    assert excluded_for_adapter(pool[:2], "sql", 256) == {"bare"}  # none warm: any holder
+    assert excluded_for_adapter(pool, None, "", 256) == frozenset()
+    assert excluded_for_adapter(pool, "sql", ns, 256) == {"bare", "cold", "other-files"}
+    assert excluded_for_adapter(pool, "sql", ns, 100) == {"bare", "other-files"}  # warm too busy
+    only_cold = excluded_for_adapter(pool[:2], "sql", ns, 256)
+    assert only_cold == {"bare"}  # none warm: any holder
+    # the warm one failed (a retry excludes it): the cold holder takes the request
+    assert excluded_for_adapter(pool, "sql", ns, 256, exclude={"warm"}) == {"bare", "other-files"}
+
+
+def test_draft_model_speculation_leaves_adapter_requests_undrafted(base, adapters) -> None:
+    """The draft model knows the base only: adapter requests run without drafts (and
+    keep PEFT's tokens) while base requests speculate; asking for a draft explicitly
+    with an adapter is refused by name."""
+    from dataclasses import replace
+
+    from tandem.common.sampling_params import SpecMethod, SpeculativeOptions
+
+    prompts = random_prompts(2, 4096, (10, 30), seed=12)
+    lora = _requests(adapters)[1]
+    with LLM(
+        base, dtype="float32", num_kv_blocks=256, enable_lora=True, draft_model=str(base)
+    ) as llm:
+        outs = llm.generate(prompts, GREEDY, lora_request=lora)
+        stats = llm.engine.speculator.stats
+        assert stats.num_verifications == 0
+        assert [o.token_ids for o in outs] == peft_greedy(base, Path(lora.lora_path), prompts, 10)
+        llm.generate(prompts, GREEDY)
+        assert stats.num_verifications > 0
+        explicit = replace(GREEDY, speculative=SpeculativeOptions(method=SpecMethod.DRAFT))
+        with pytest.raises(ValueError, match="draft-model speculation does not run LoRA"):
+            llm.generate(prompts, explicit, lora_request=lora)
+
+
+def test_a_reloaded_name_runs_its_new_weights(base, adapters, tmp_path) -> None:
+    """Unloaded and loaded again from other files (another path, or the same path with
+    the files replaced): the next step runs the new weights, never the slot's old ones."""
+    import shutil
+
+    prompts = random_prompts(1, 4096, (10, 20), seed=14)
+    here = tmp_path / "x"
+    shutil.copytree(adapters["all8"], here)
+    with LLM(base, dtype="float32", num_kv_blocks=128, enable_lora=True) as llm:
+        engine = llm.engine
+        first = llm.generate(prompts, GREEDY, lora_request=LoRARequest("x", 1, str(here)))
+        assert engine.remove_lora("x")
+        other = LoRARequest("x", 2, str(adapters["qv4"]))
+        second = llm.generate(prompts, GREEDY, lora_request=other)
+        engine.remove_lora("x")
+        shutil.rmtree(here)
+        shutil.copytree(adapters["mlp16"], here)  # the same path, other files
+        assert engine.add_lora(LoRARequest("x", 3, str(here)))
+        third = llm.generate(prompts, GREEDY, lora_request="x")
+    for out, name in ((first, "all8"), (second, "qv4"), (third, "mlp16")):
+        assert [o.token_ids for o in out] == peft_greedy(base, adapters[name], prompts, 10)
+
+
+def test_an_adapter_whose_files_went_away_fails_only_its_requests(base, adapters, tmp_path) -> None:
+    """Out of memory (max_cpu_loras) and its directory gone: its requests end with
+    "abort", the base model's run on."""
+    import shutil
+
+    gone = tmp_path / "gone"
+    shutil.copytree(adapters["qv4"], gone)
+    with LLM(
+        base, dtype="float32", num_kv_blocks=128, enable_lora=True, max_loras=1, max_cpu_loras=1
+    ) as llm:
+        engine = llm.engine
+        engine.add_lora(LoRARequest("gone", 1, str(gone)))
+        engine.add_lora(LoRARequest("kept", 2, str(adapters["all8"])))  # evicts "gone"
+        shutil.rmtree(gone)
+        prompt = random_prompts(1, 4096, (10, 20), seed=15)[0]
+        outs = llm.generate(
+            [prompt, prompt], GREEDY, lora_request=[LoRARequest("gone", 1, str(gone)), None]
+        )
+    assert outs[0].finish_reason == "abort" and outs[0].token_ids == []
+    assert outs[1].finish_reason == "length"
+    assert outs[1].token_ids == peft_greedy(base, None, [prompt], 10)[0]
+
+
+def test_an_adapter_waiting_for_a_slot_is_not_starved(base, adapters) -> None:
+    """max_loras=1 and a steady stream of one adapter's requests: a request of another
+    adapter still gets its turn (the stream stops being admitted until it has)."""
+    with LLM(base, dtype="float32", num_kv_blocks=256, enable_lora=True) as llm:
+        engine = llm.engine
+        for lora in _requests(adapters)[1:3]:
+            engine.add_lora(lora)
+        busy = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+        engine.add_request([11, 12, 13], busy, request_id="x0", lora_request="all8")
+        engine.add_request([14, 15, 16], GREEDY, request_id="y", lora_request="qv4")
+        for step in range(300):
+            engine.add_request(
+                [17, 18, step % 50 + 20], busy, request_id=f"x{step + 1}", lora_request="all8"
+            )
+            if any(d.request_id == "y" and d.finished for d in engine.step()):
+                break
+        else:
+            pytest.fail("the qv4 request never ran")
+        assert step > 20  # it did wait for the slot

@@ -162,6 +162,12 @@ def test_runtime_load_and_unload_on_every_worker(cluster, base, adapters, tmp_pa
     assert bad.status_code == 400 and "no adapter_config.json" in bad.json()["error"]["message"]
     unknown = httpx.post(f"{url}/completions", json={"model": "late", "prompt": [5, 6, 7]})
     assert unknown.status_code == 404
+    taken = httpx.post(
+        f"{url}/load_lora_adapter", json={"lora_name": "sql", "lora_path": str(adapters["late"])}
+    )
+    assert taken.status_code == 400 and "already loaded" in taken.json()["error"]["message"]
+    base_name = {"lora_name": running.model_name, "lora_path": str(adapters["late"])}
+    assert httpx.post(f"{url}/load_lora_adapter", json=base_name).status_code == 400
     ok = httpx.post(
         f"{url}/load_lora_adapter", json={"lora_name": "late", "lora_path": str(adapters["late"])}
     )

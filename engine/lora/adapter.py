@@ -112,11 +112,38 @@ def _check_config(name: str, config: dict[str, Any], max_rank: int) -> None:
             raise ValueError(f"{where} uses {what}, which Tandem does not serve")
     if config.get("bias", "none") != "none":
         raise ValueError(f"{where} trains biases (bias={config['bias']!r}); not supported")
+    if config.get("layer_replication"):
+        raise ValueError(f"{where} uses layer_replication, which Tandem does not serve")
+    _check_types(where, config)
     ranks = [int(config.get("r", 8)), *(int(r) for r in config.get("rank_pattern", {}).values())]
     if max(ranks) > max_rank:
         raise ValueError(
             f"{where} has rank {max(ranks)}, above max_lora_rank {max_rank} (raise --max-lora-rank)"
         )
+
+
+def _check_types(where: str, config: dict[str, Any]) -> None:
+    """The fields this loader reads, of the types PEFT writes (a clear error, not a
+    ``TypeError`` from deep inside)."""
+    if "r" in config and not (_is_number(config["r"]) and config["r"] >= 1):
+        raise ValueError(f"{where}: adapter_config.json's r must be >= 1, not {config['r']!r}")
+    if "lora_alpha" in config and not _is_number(config["lora_alpha"]):
+        raise ValueError(f"{where}: adapter_config.json's lora_alpha must be a number")
+    for key in ("rank_pattern", "alpha_pattern"):
+        patterns = config.get(key, {})
+        if not isinstance(patterns, dict) or not all(map(_is_number, patterns.values())):
+            raise ValueError(f"{where}: adapter_config.json's {key} must map modules to numbers")
+        for pattern in patterns:
+            try:
+                re.compile(pattern)
+            except re.error as err:
+                raise ValueError(
+                    f"{where}: {key} key {pattern!r} is not a pattern: {err}"
+                ) from None
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
 
 
 def _read_pairs(
@@ -152,7 +179,7 @@ def _read_pairs(
 def _pattern_value(patterns: dict[str, Any], module: str) -> Any | None:
     """PEFT's per-module override: a key matching the module path's end."""
     for key, value in patterns.items():
-        if re.fullmatch(rf"(.*\.)?{key}", module):
+        if re.fullmatch(rf"(.*\.)?({key})", module):
             return value
     return None
 

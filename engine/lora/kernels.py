@@ -46,10 +46,10 @@ class LoRAKernels:
         self._shrink, self._expand = {}, {}
         for dtype, suffix in zip(WEIGHT_DTYPES, ("f32", "bf16"), strict=True):
             shrink = getattr(library, f"tandem_lora_shrink_{suffix}")
-            shrink.restype = None
+            shrink.restype = ctypes.c_int
             shrink.argtypes = [_ptr, _i64, _ptr, _i64, _ptr, _ptr, _ptr, _i64, _i64, _i64, _int]
             expand = getattr(library, f"tandem_lora_expand_{suffix}")
-            expand.restype = None
+            expand.restype = ctypes.c_int
             expand.argtypes = [
                 _ptr, _ptr, _i64, _i64, _ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64, _int
             ]  # fmt: skip
@@ -69,10 +69,12 @@ class LoRAKernels:
             x = x.contiguous()
         tokens, width = x.shape[0], a.shape[1]
         u = torch.empty(tokens, width, dtype=torch.float32)
-        self._shrink[a.dtype](
+        status = self._shrink[a.dtype](
             x.data_ptr(), x.stride(0), u.data_ptr(), tokens, slots.data_ptr(), a.data_ptr(),
             ranks.data_ptr(), width // max_rank, max_rank, a.shape[2], torch.get_num_threads(),
         )  # fmt: skip
+        if status:
+            raise MemoryError("LoRA shrink: out of memory for the tile list")
         return u
 
     def expand(
@@ -87,11 +89,13 @@ class LoRAKernels:
     ) -> None:
         """``y [T, out] += u @ Bt_slot`` per row, slice by slice (``offsets [S+1]``)."""
         assert y.stride(-1) == 1
-        self._expand[bt.dtype](
+        status = self._expand[bt.dtype](
             u.data_ptr(), y.data_ptr(), y.stride(0), u.shape[0], slots.data_ptr(),
             bt.data_ptr(), ranks.data_ptr(), offsets.data_ptr(), len(offsets) - 1, max_rank,
             bt.shape[2], torch.get_num_threads(),
         )  # fmt: skip
+        if status:
+            raise MemoryError("LoRA expand: out of memory for the tile list")
 
 
 @cache

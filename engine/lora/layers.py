@@ -67,6 +67,7 @@ class LoRALinear(nn.Module):
         batch: LoRABatch,
         kernels: LoRAKernels | None,
         group: TensorParallelGroup | None,
+        device: torch.device | None = None,
     ) -> None:
         """``batch``: the runner's per-forward row slots, shared by every wrapped layer.
         ``kernels``: the native products (float32 CPU), else torch. ``group``: the ranks
@@ -78,8 +79,8 @@ class LoRALinear(nn.Module):
         slices = len(target.slices)
         in_local = target.in_span.size if target.in_span is not None else target.in_features
         width = slices * max_rank
-        self.a = torch.zeros(max_loras, width, in_local, dtype=dtype)
-        self.bt = torch.zeros(max_loras, width, target.out_features, dtype=dtype)
+        self.a = torch.zeros(max_loras, width, in_local, dtype=dtype, device=device)
+        self.bt = torch.zeros(max_loras, width, target.out_features, dtype=dtype, device=device)
         self.ranks = torch.zeros(max_loras, dtype=torch.int32)
         """Per slot, the rows of each slice its adapter uses here (0: none)."""
         self.offsets = torch.tensor(

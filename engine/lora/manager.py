@@ -116,12 +116,15 @@ class LoRAManager:
                 self.batch,
                 kernels,
                 group,
+                device,
             )
             setattr(parent, leaf, layer)
             self.layers[path] = layer
         self._registered: dict[str, LoRARequest] = {}
+        self._namespaces: dict[str, str] = {}
+        """Of each registered adapter: the KV namespace of the files read at ``add``."""
         self._resident: OrderedDict[str, LoadedAdapter] = OrderedDict()
-        self._slots: list[str | None] = [None] * config.max_loras
+        self._slots: list[LoadedAdapter | None] = [None] * config.max_loras
         self._slot_used: list[int] = [0] * config.max_loras
         self._uses = 0
         self._lock = threading.Lock()  # add/remove come from server threads
@@ -133,21 +136,31 @@ class LoRAManager:
 
     # --- registry (any thread) ---------------------------------------------------------
 
-    def add(self, request: LoRARequest) -> LoadedAdapter:
-        """Register and read ``request`` (checked: ``ValueError`` by name, nothing changed).
-        Adding a name again with the same path is a no-op; with another path, refused
-        (remove it first)."""
+    def add(self, request: LoRARequest) -> bool:
+        """Register and read ``request`` (checked: ``ValueError`` by name, nothing
+        changed). Returns whether the name is new here. Adding a name again with the same
+        path reads it again (files changed on disk replace the old weights at the next
+        step); with another path it is refused (remove it first)."""
+        self._check_path(request)
+        adapter = self._read(request)
         with self._lock:
+            self._check_path(request, locked=True)  # a concurrent add of the name
+            new = request.lora_name not in self._registered
+            self._registered[request.lora_name] = request
+            self._namespaces[request.lora_name] = adapter.kv_namespace
+            self._keep_resident(adapter)
+        return new
+
+    def _check_path(self, request: LoRARequest, locked: bool = False) -> None:
+        if locked:
             known = self._registered.get(request.lora_name)
+        else:
+            with self._lock:
+                known = self._registered.get(request.lora_name)
         if known is not None and known.lora_path != request.lora_path:
             raise ValueError(
                 f"LoRA adapter {request.lora_name!r} is already loaded from {known.lora_path}"
             )
-        adapter = self._read(request)
-        with self._lock:
-            self._registered[request.lora_name] = request
-            self._keep_resident(adapter)
-        return adapter
 
     def remove(self, name: str) -> bool:
         """Forget adapter ``name``: unregistered, out of memory, its slot cleared at the
@@ -156,6 +169,7 @@ class LoRAManager:
         with self._lock:
             if self._registered.pop(name, None) is None:
                 return False
+            self._namespaces.pop(name, None)
             self._resident.pop(name, None)
             return True
 
@@ -168,10 +182,32 @@ class LoRAManager:
             return self._registered.get(name)
 
     def namespace(self, name: str) -> str:
-        """The KV namespace of registered adapter ``name`` (read again if evicted)."""
-        return self._resident_adapter(name).kv_namespace
+        """The KV namespace of registered adapter ``name`` (``KeyError`` if it is not)."""
+        with self._lock:
+            if name not in self._namespaces:
+                raise KeyError(f"LoRA adapter {name!r} is not loaded")
+            return self._namespaces[name]
+
+    def namespaces(self) -> dict[str, str]:
+        """Every registered adapter's KV namespace, by name (a copy; any thread)."""
+        with self._lock:
+            return dict(self._namespaces)
 
     # --- slots (the engine thread) -----------------------------------------------------
+
+    def unreadable(self, names: Collection[str]) -> dict[str, str]:
+        """Of ``names`` (registered adapters a batch may need), those neither in a slot
+        nor in memory that cannot be read again (their files changed or went away), with
+        why; reading the others brings them into memory."""
+        failed = {}
+        for name in names:
+            if self._slot_of(name) is not None:
+                continue
+            try:
+                self._resident_adapter(name)
+            except (ValueError, KeyError, OSError) as err:
+                failed[name] = str(err)
+        return failed
 
     def activate(self, names: Collection[str]) -> dict[str, int]:
         """Slots for a batch's adapters (at most ``max_loras``), filling the missing ones;
@@ -184,8 +220,8 @@ class LoRAManager:
         self._uses += 1
         where: dict[str, int] = {}
         for name in names:
-            if name in self._slots:
-                slot = self._slots.index(name)
+            slot = self._slot_of(name)
+            if slot is not None:
                 self._slot_used[slot] = self._uses
                 where[name] = slot
         for name in names:
@@ -198,11 +234,21 @@ class LoRAManager:
                 where[name] = slot
         return where
 
+    def _slot_of(self, name: str) -> int | None:
+        """The slot holding the registered version of ``name`` (an older version of the
+        name, re-added since from changed files, does not count)."""
+        with self._lock:
+            namespace = self._namespaces.get(name)
+        for slot, adapter in enumerate(self._slots):
+            if adapter is not None and adapter.name == name:
+                return slot if adapter.kv_namespace == namespace else None
+        return None
+
     def fill(self, slot: int, adapter: LoadedAdapter) -> None:
         """Put ``adapter`` in ``slot`` of every wrapped layer (clearing what was there)."""
         for path, layer in self.layers.items():
             layer.set_slot(slot, adapter.weights.get(path, []))
-        self._slots[slot] = adapter.name
+        self._slots[slot] = adapter
         self._slot_used[slot] = self._uses
 
     def fill_from(self, slot: int, request: LoRARequest) -> None:
@@ -223,14 +269,14 @@ class LoRAManager:
 
     @property
     def active(self) -> list[str | None]:
-        return list(self._slots)
+        return [None if a is None else a.name for a in self._slots]
 
     def resident(self) -> list[str]:
         """Adapters a batch can use without reading them from disk: in a slot or in
         memory (any thread)."""
         with self._lock:
             in_memory = set(self._resident)
-        return sorted(in_memory | {n for n in self._slots if n is not None})
+        return sorted(in_memory | {a.name for a in self._slots if a is not None})
 
     # --- helpers -----------------------------------------------------------------------
 
@@ -244,8 +290,8 @@ class LoRAManager:
     def _drop_removed(self) -> None:
         with self._lock:
             registered = set(self._registered)
-        for slot, name in enumerate(self._slots):
-            if name is not None and name not in registered:
+        for slot, adapter in enumerate(self._slots):
+            if adapter is not None and adapter.name not in registered:
                 for layer in self.layers.values():
                     layer.clear_slot(slot)
                 self._slots[slot] = None
@@ -257,9 +303,15 @@ class LoRAManager:
                 self._resident.move_to_end(name)
                 return adapter
             request = self._registered.get(name)
+            namespace = self._namespaces.get(name)
         if request is None:
             raise KeyError(f"LoRA adapter {name!r} is not loaded")
         adapter = self._read(request)  # evicted from memory: read again (a cold load)
+        if adapter.kv_namespace != namespace:  # its KV would be hashed as the old files'
+            raise ValueError(
+                f"LoRA adapter {name!r}: the files in {request.lora_path} changed since it "
+                "was loaded; load it again"
+            )
         with self._lock:
             self._keep_resident(adapter)
         return adapter

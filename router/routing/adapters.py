@@ -1,10 +1,11 @@
 """Which workers a LoRA adapter's request may go to, and which it should.
 
-Only workers that hold the adapter (it is in their registry record) can serve it. Of
-those, the ones that have it in memory serve it at once; the others first read it from
-disk (a cold load: tens of milliseconds for a rank-16 adapter of a 110M model,
-``docs/benchmarks/lora.md``). So the request goes to a warm worker unless the warm ones
-have more work queued than the cold load costs:
+Only workers that hold the adapter (it is in their registry record, under the same
+KV namespace: the same files) can serve it. Of those not excluded already (suspects,
+workers a retry already tried), the ones that have it in memory serve it at once; the
+others first read it from disk (a cold load: tens of milliseconds for a rank-16 adapter
+of a 110M model, ``docs/benchmarks/lora.md``). So the request goes to a warm worker
+unless the warm ones have more work queued than the cold load costs:
 
     warm preferred  <=>  min work(warm) <= min work(holders) + cold_load_tokens
     work(w)         =  queued_prefill_tokens(w) + DECODE_SEQ_TOKENS * running_seqs(w)
@@ -17,7 +18,7 @@ where their KV is. A pure function of the pool's records.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 
 from tandem.common.registry import WorkerRecord
 
@@ -34,15 +35,20 @@ def work(record: WorkerRecord) -> int:
 
 
 def excluded_for_adapter(
-    records: Iterable[WorkerRecord], lora_name: str | None, cold_load_tokens: int
+    records: Iterable[WorkerRecord],
+    lora_name: str | None,
+    namespace: str,
+    cold_load_tokens: int,
+    exclude: Collection[str] = (),
 ) -> frozenset[str]:
-    """Worker ids a request of ``lora_name`` should not go to: those without the
-    adapter, and those without it in memory while a warm one is within
-    ``cold_load_tokens`` of the least work (none for the base model)."""
+    """Worker ids a request of ``lora_name`` should not go to, besides ``exclude``
+    (suspects, workers already tried): those without the adapter (or with other files
+    under its name: another ``namespace``), and those without it in memory while a warm
+    one is within ``cold_load_tokens`` of the least work (none for the base model)."""
     if lora_name is None:
         return frozenset()
-    records = list(records)
-    holders = [r for r in records if lora_name in r.load.adapters]
+    records = [r for r in records if r.info.worker_id not in exclude]
+    holders = [r for r in records if r.load.adapters.get(lora_name) == namespace]
     lacking = {r.info.worker_id for r in records} - {r.info.worker_id for r in holders}
     warm = [r for r in holders if lora_name in r.load.resident_adapters]
     near = warm and min(map(work, warm)) <= min(map(work, holders)) + cold_load_tokens

@@ -58,6 +58,7 @@ class RoutingRequest:
     priority: int = 0
     matched_blocks: Mapping[str, int] = field(default_factory=lambda: EMPTY_MATCH, compare=False)
     lora_name: str | None = None
+    lora_namespace: str = ""
 
     def __post_init__(self) -> None:
         if self.num_prompt_tokens < 0:

@@ -27,27 +27,29 @@ class LoRAAdmin:
     async def LoadLoRA(
         self, request: worker_pb2.LoadLoRARequest, context: grpc.aio.ServicerContext
     ) -> worker_pb2.LoadLoRAResponse:
+        engine = self.engine.engine
         try:
-            engine = self.engine.engine
             lora = LoRARequest(
                 request.lora_name,
                 len(engine.list_loras()) + 1,  # the engine keys adapters by name
                 request.lora_path,
                 request.base_model_name or None,
             )
-            await asyncio.to_thread(engine.add_lora, lora)
+            added = await asyncio.to_thread(engine.add_lora, lora)
             # a command on the engine thread refreshes the load the heartbeat publishes
             namespace = await self.engine.call(lambda e: e.lora_namespace(lora.lora_name))
-        except ValueError as err:
+        except (ValueError, OSError) as err:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
-        return worker_pb2.LoadLoRAResponse(kv_namespace=namespace)
+        except KeyError as err:  # unloaded meanwhile
+            await context.abort(grpc.StatusCode.NOT_FOUND, str(err.args[0]))
+        return worker_pb2.LoadLoRAResponse(kv_namespace=namespace, added=added)
 
     async def UnloadLoRA(
         self, request: worker_pb2.UnloadLoRARequest, context: grpc.aio.ServicerContext
     ) -> worker_pb2.UnloadLoRAResponse:
-        name = request.lora_name
+        name, dry_run = request.lora_name, request.dry_run
         try:
-            found = await self.engine.call(lambda e: e.remove_lora(name))
+            found = await self.engine.call(lambda e: e.remove_lora(name, dry_run=dry_run))
         except ValueError as err:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(err))
         return worker_pb2.UnloadLoRAResponse(found=found)

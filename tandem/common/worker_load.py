@@ -76,6 +76,7 @@ def worker_load(load: EngineLoadLike, busy: BusyMeter | None = None) -> WorkerLo
         busy_fraction=busy.update(load.busy_seconds) if busy is not None else 0.0,
         adapters=dict(load.lora_adapters),
         resident_adapters=tuple(load.lora_resident),
+        max_loras=load.max_loras,
     )
 
 

@@ -18,8 +18,9 @@
  * latency); the expand runs CHUNK output columns at a time so the tile's rows of them
  * stay in L1. OpenMP splits the tiles. Each row's sums run in a fixed order whatever its
  * tile (and no FMA contraction: -ffp-contract=off), so a row's result does not depend
- * on the batch around it. */
+ * on the batch around it. Both return 0, or -1 when the tile list cannot be allocated. */
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 #define TILE 4
@@ -116,13 +117,14 @@ static int64_t tiles_of(const int64_t *slots, int64_t tokens, int64_t *starts) {
         }                                                                                     \
     }                                                                                         \
                                                                                               \
-    void tandem_lora_shrink_##SUFFIX(const float *x, int64_t x_stride, float *u,              \
+    int tandem_lora_shrink_##SUFFIX(const float *x, int64_t x_stride, float *u,              \
                                      int64_t tokens, const int64_t *slots, const WT *a,       \
                                      const int32_t *ranks, int64_t num_slices,                \
                                      int64_t max_rank, int64_t in_features, int threads) {    \
         const int64_t width = num_slices * max_rank;                                          \
         memset(u, 0, sizeof(float) * tokens * width);                                         \
-        int64_t starts[tokens + 1];                                                           \
+        int64_t *starts = malloc(sizeof(int64_t) * (tokens + 1));                             \
+        if (starts == NULL) return -1;                                                        \
         const int64_t n_tiles = tiles_of(slots, tokens, starts);                              \
         _Pragma("omp parallel for num_threads(threads) schedule(static) if (n_tiles > 1)")   \
         for (int64_t k = 0; k < n_tiles; k++) {                                               \
@@ -131,15 +133,18 @@ static int64_t tiles_of(const int64_t *slots, int64_t tokens, int64_t *starts) {
             shrink_tile_##SUFFIX(x, x_stride, u, width, a + s * width * in_features,          \
                                  in_features, t0, n, ranks[s], num_slices, max_rank);         \
         }                                                                                     \
+        free(starts);                                                                         \
+        return 0;                                                                             \
     }                                                                                         \
                                                                                               \
-    void tandem_lora_expand_##SUFFIX(const float *u, float *y, int64_t y_stride,              \
+    int tandem_lora_expand_##SUFFIX(const float *u, float *y, int64_t y_stride,              \
                                      int64_t tokens, const int64_t *slots, const WT *bt,      \
                                      const int32_t *ranks, const int64_t *offsets,            \
                                      int64_t num_slices, int64_t max_rank,                    \
                                      int64_t out_features, int threads) {                     \
         const int64_t width = num_slices * max_rank;                                          \
-        int64_t starts[tokens + 1];                                                           \
+        int64_t *starts = malloc(sizeof(int64_t) * (tokens + 1));                             \
+        if (starts == NULL) return -1;                                                        \
         const int64_t n_tiles = tiles_of(slots, tokens, starts);                              \
         _Pragma("omp parallel for num_threads(threads) schedule(static) if (n_tiles > 1)")   \
         for (int64_t k = 0; k < n_tiles; k++) {                                               \
@@ -149,6 +154,8 @@ static int64_t tiles_of(const int64_t *slots, int64_t tokens, int64_t *starts) {
                                  out_features, offsets, t0, n, ranks[s], num_slices,          \
                                  max_rank);                                                   \
         }                                                                                     \
+        free(starts);                                                                         \
+        return 0;                                                                             \
     }
 
 LORA_KERNELS(f32, float, load_f32)

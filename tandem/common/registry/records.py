@@ -83,6 +83,8 @@ class WorkerLoad:
     """LoRA adapters loaded here: name -> KV namespace (the root of their block hashes)."""
     resident_adapters: tuple[str, ...] = ()
     """Of those, the ones in memory (the others are read from disk when next used)."""
+    max_loras: int = 0
+    """Adapters one batch may mix here; 0: the worker serves no LoRA adapters."""
 
     def __post_init__(self) -> None:
         _check(self.busy_fraction >= 0, "busy_fraction must be >= 0")
@@ -170,6 +172,7 @@ def _load_from_json(load: Mapping[str, object]) -> WorkerLoad:
         busy_fraction=float(load.get("busy_fraction", 0.0)),  # absent from older workers
         adapters=_adapters(load.get("adapters", {})),  # absent without LoRA
         resident_adapters=_names(load.get("resident_adapters", [])),
+        max_loras=_optional(load, "max_loras", int) or 0,
     )
 
 
