@@ -46,6 +46,14 @@ FULL = {
     "tls": {"enabled": True, "secretName": "tandem-tls", "serverName": "tandem-internal"},
     "metrics": {"serviceMonitor": {"enabled": True}, "grafanaDashboard": {"enabled": True}},
     "tracing": {"otlpEndpoint": "http://otel-collector.monitoring:4317"},
+    "lora": {
+        "enabled": True,
+        "maxLoras": 4,
+        "modules": [{"name": "sql", "path": "sql"}, {"name": "chat", "path": "v2/chat"}],
+        "source": "pvc",
+        "pvc": {"claimName": "adapters"},
+        "allowRuntimeUpdates": True,
+    },
 }
 EXTERNAL_REDIS = {
     "redis": {
@@ -94,6 +102,12 @@ KUBERAY = {
     "apiKeys": {"secretName": "keys"},
     "planner": {"enabled": True, "decode": {"minReplicas": 1, "maxReplicas": 6}},
     "tracing": {"otlpEndpoint": "http://collector:4318/v1/traces", "protocol": "http/protobuf"},
+    "lora": {
+        "enabled": True,
+        "modules": [{"name": "sql", "path": "sql"}],
+        "source": "hostPath",
+        "hostPath": {"path": "/srv/adapters"},
+    },
 }
 VALUE_SETS = {
     "defaults": None,
@@ -259,6 +273,15 @@ def test_every_command_parses_with_tandems_own_parser(tmp_path: Path, values: di
         assert parsed["router"].model == "/models/llama-8b"
         assert str(parsed["router"].ssl_ca_certs) == "/tls/ca.crt"
         assert parsed["decode"].speculative_method == "ngram"
+        assert parsed["router"].allow_runtime_lora_updating
+        for role in ("prefill", "decode"):
+            assert parsed[role].enable_lora and parsed[role].max_loras == 4
+            assert parsed[role].lora_modules == ["sql=/adapters/sql", "chat=/adapters/v2/chat"]
+    if values is KUBERAY:  # the workers' flags travel through `tandem serve --worker-arg`
+        worker_args = parsed["tandem"].worker_arg
+        assert worker_args[worker_args.index("--lora-modules") + 1] == "sql=/adapters/sql"
+        assert "--enable-lora" in worker_args
+        assert not parsed["tandem"].router_arg.count("--allow-runtime-lora-updating")
     if values is not KUBERAY:
         assert parsed["router"].health_port == 8081 and parsed["decode"].health_port == 8081
 
@@ -289,6 +312,26 @@ def test_every_container_is_probed_sized_and_locked_down(
         autoscaler = cluster["spec"]["autoscalerOptions"]  # the container KubeRay adds
         assert autoscaler["securityContext"]["readOnlyRootFilesystem"] is True
         assert autoscaler["resources"]["limits"]["memory"]
+
+
+@pytest.mark.parametrize("values", [FULL, KUBERAY], ids=["full", "kuberay"])
+def test_lora_adapters_are_mounted_where_the_workers_read_them(tmp_path: Path, values) -> None:
+    docs = render(tmp_path, values)
+    mounted = []
+    for where, template in pod_templates(docs):
+        if where == "rel-redis":
+            continue
+        volumes = {v["name"]: v for v in template["spec"].get("volumes", ())}
+        for container in template["spec"]["containers"]:
+            mounts = {m["name"]: m for m in container.get("volumeMounts", ())}
+            if "adapters" in mounts:
+                assert mounts["adapters"]["mountPath"] == "/adapters"
+                assert mounts["adapters"]["readOnly"] is True
+                mounted.append(where)
+                kind = {"pvc": "persistentVolumeClaim", "hostPath": "hostPath"}
+                assert kind[values["lora"]["source"]] in volumes["adapters"]
+    workers = [w for w in mounted if "prefill" in w or "decode" in w]
+    assert len(workers) >= 2, mounted
 
 
 def test_the_startup_probe_allows_the_startup_timeout(tmp_path: Path) -> None:
@@ -575,6 +618,9 @@ def test_kuberay_passes_the_redis_password_without_writing_it(tmp_path: Path) ->
         ),
         ("planner.decode.minReplicas=-1", "at '/planner/decode/minReplicas': minimum"),
         ("tracing.protocol=http/json", "at '/tracing/protocol': value must be one of"),
+        ("lora.source=s3", "at '/lora/source': value must be one of 'none', 'pvc', 'hostPath'"),
+        ("lora.source=pvc", "at '/lora/pvc/claimName': minLength"),
+        ("lora.maxLoras=0", "at '/lora/maxLoras': minimum"),
         ("tracing.otlpEndpoint=collector:4317", "at '/tracing/otlpEndpoint'"),
         ("planner.maxStepUp=0", "at '/planner/maxStepUp': minimum"),
         ("planner.enabled=yes", "at '/planner/enabled': got string, want boolean"),

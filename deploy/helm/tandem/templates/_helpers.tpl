@@ -53,7 +53,8 @@ redis://{{ if .Values.redis.auth.secretName }}:$(REDIS_PASSWORD)@{{ end }}{{ inc
 {{- end }}
 {{- end -}}
 
-{{/* Model weights: the image's built-in model, a PVC, a hostPath or an init container. */}}
+{{/* Model weights: the image's built-in model, a PVC, a hostPath or an init container;
+and, with lora.source set, the LoRA adapters' directories (a PVC or a hostPath). */}}
 {{- define "tandem.modelVolume" -}}
 {{- $m := .Values.model -}}
 {{- if eq $m.source "pvc" }}
@@ -66,6 +67,14 @@ redis://{{ if .Values.redis.auth.secretName }}:$(REDIS_PASSWORD)@{{ end }}{{ inc
 - name: model
   emptyDir: {}
 {{- end }}
+{{- $l := .Values.lora -}}
+{{- if and $l.enabled (eq $l.source "pvc") }}
+- name: adapters
+  persistentVolumeClaim: {claimName: {{ $l.pvc.claimName }}, readOnly: true}
+{{- else if and $l.enabled (eq $l.source "hostPath") }}
+- name: adapters
+  hostPath: {path: {{ $l.hostPath.path }}, type: Directory}
+{{- end }}
 {{- end -}}
 
 {{- define "tandem.modelMount" -}}
@@ -76,6 +85,34 @@ redis://{{ if .Values.redis.auth.secretName }}:$(REDIS_PASSWORD)@{{ end }}{{ inc
 {{- if and (eq .Values.model.source "pvc") .Values.model.pvc.subPath }}
   subPath: {{ .Values.model.pvc.subPath }}
 {{- end }}
+{{- end }}
+{{- if and .Values.lora.enabled (ne .Values.lora.source "none") }}
+- {name: adapters, mountPath: /adapters, readOnly: true}
+{{- end }}
+{{- end -}}
+
+{{/* The workers' LoRA flags (lora.*), as a JSON list of words. */}}
+{{- define "tandem.loraWorkerArgs" -}}
+{{- $l := .Values.lora -}}
+{{- $args := list -}}
+{{- if $l.enabled }}
+{{- $args = list "--enable-lora" "--max-loras" (toString $l.maxLoras) "--max-lora-rank" (toString $l.maxLoraRank) }}
+{{- if $l.modules }}
+{{- $args = append $args "--lora-modules" }}
+{{- range $l.modules }}
+{{- $args = append $args (printf "%s=/adapters/%s" .name .path) }}
+{{- end }}
+{{- end }}
+{{- end }}
+{{- toJson $args }}
+{{- end -}}
+
+{{/* The router's LoRA flags, as a JSON list of words. */}}
+{{- define "tandem.loraRouterArgs" -}}
+{{- if and .Values.lora.enabled .Values.lora.allowRuntimeUpdates }}
+{{- toJson (list "--allow-runtime-lora-updating") }}
+{{- else }}
+{{- toJson list }}
 {{- end }}
 {{- end -}}
 
@@ -258,6 +295,12 @@ shares it too. */}}
 {{- end }}
 {{- end }}
 - --router-arg=--health-port={{ .Values.ports.health }}
+{{- range include "tandem.loraRouterArgs" . | fromJsonArray }}
+- {{ printf "--router-arg=%s" . | quote }}
+{{- end }}
+{{- range include "tandem.loraWorkerArgs" . | fromJsonArray }}
+- {{ printf "--worker-arg=%s" . | quote }}
+{{- end }}
 {{- if .Values.apiKeys.secretName }}
 - --router-arg=--api-key-file=/secrets/api-keys/{{ .Values.apiKeys.secretKey }}
 {{- end }}
