@@ -33,7 +33,12 @@ from tandem.common.kv_events.publisher import KVEventPublisher
 from tandem.common.kv_events.wire import snapshot_to_proto
 from tandem.common.lora_service import LoRAAdmin
 from tandem.common.metrics import RequestTimer
-from tandem.common.wire import FINISH_REASON_TO_PROTO, logprobs_to_proto, sampling_from_proto
+from tandem.common.wire import (
+    FINISH_REASON_TO_PROTO,
+    MIGRATION_CAUSE_NAMES,
+    logprobs_to_proto,
+    sampling_from_proto,
+)
 from tandem.common.worker_load import worker_status
 from tandem.common.worker_metrics import WorkerMetrics
 from tandem.engine.async_engine import AsyncEngine
@@ -48,12 +53,6 @@ from tandem.protos import worker_pb2, worker_pb2_grpc
 
 log = logging.getLogger(__name__)
 
-CAUSE_NAMES = {
-    worker_pb2.MIGRATION_CAUSE_DRAIN: "drain",
-    worker_pb2.MIGRATION_CAUSE_REBALANCE: "rebalance",
-    worker_pb2.MIGRATION_CAUSE_REQUESTED: "requested",
-}
-"""Metric label of each migration cause."""
 HANDOFF_WAIT_S = 10.0
 """How long a draining worker waits, after handing its streams over, for the peers to
 pull the KV (their leases end) before it stops serving ``KVTransfer``."""
@@ -248,7 +247,7 @@ class DecodeService(LoRAAdmin, worker_pb2_grpc.DecodeWorkerServicer):
                 "name request_ids, or a num_blocks to free or a num_streams to move",
             )
         cause = request.cause or worker_pb2.MIGRATION_CAUSE_REQUESTED
-        if cause not in CAUSE_NAMES:
+        if cause not in MIGRATION_CAUSE_NAMES:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"unknown cause {cause}")
         held = await self._blocks_held()
         if request.request_ids:
@@ -337,11 +336,14 @@ class DecodeService(LoRAAdmin, worker_pb2_grpc.DecodeWorkerServicer):
         response = worker_pb2.DecodeResponse(migration_cause=cause)
         if handover.block_ids:
             response.handoff.CopyFrom(self.held.grant(rid, handover.block_ids, handover.num_tokens))
-        self.metrics.labelled(self.metrics.migrations_out, cause=CAUSE_NAMES[cause]).inc()
+        self.metrics.labelled(self.metrics.migrations_out, cause=MIGRATION_CAUSE_NAMES[cause]).inc()
         if span.recording:
             span.add_event(
                 "handed over",
-                {"tandem.cause": CAUSE_NAMES[cause], "tandem.kv_tokens": handover.num_tokens},
+                {
+                    "tandem.cause": MIGRATION_CAUSE_NAMES[cause],
+                    "tandem.kv_tokens": handover.num_tokens,
+                },
             )
         return response
 

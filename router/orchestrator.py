@@ -43,7 +43,7 @@ import grpc
 from tandem.common import tracing
 from tandem.common.hashing import hash_blocks, root_hash
 from tandem.common.registry import RegistryWatcher, WorkerRecord, WorkerRole
-from tandem.common.wire import FINISH_REASON_FROM_PROTO, sampling_to_proto
+from tandem.common.wire import FINISH_REASON_FROM_PROTO, MIGRATION_CAUSE_NAMES, sampling_to_proto
 from tandem.protos import common_pb2, worker_pb2
 from tandem.router.clients import WorkerClients
 from tandem.router.kv_index.indexer import KVIndexer
@@ -80,11 +80,6 @@ def worker_failed(err: BaseException) -> bool:
     return isinstance(err, asyncio.CancelledError) and task is not None and not task.cancelling()
 
 
-MIGRATION_CAUSES = {
-    worker_pb2.MIGRATION_CAUSE_DRAIN: "drain",
-    worker_pb2.MIGRATION_CAUSE_REBALANCE: "rebalance",
-    worker_pb2.MIGRATION_CAUSE_REQUESTED: "requested",
-}
 MAX_HANDOVERS = 32
 """Hand-overs one stream may go through (each is a worker's choice, not a failure)."""
 
@@ -178,7 +173,7 @@ class _Moves:
         if moved is not None:
             self.handovers += 1
             self.handle = moved.handoff if moved.HasField("handoff") else None
-            return MIGRATION_CAUSES.get(moved.migration_cause, "requested")
+            return MIGRATION_CAUSE_NAMES.get(moved.migration_cause, "requested")
         self.failures += 1
         self.tried.add(worker_id)
         self.handle = None

@@ -19,7 +19,7 @@ from tandem.common.sampling_params import (
     StructuredKind,
     StructuredOutput,
 )
-from tandem.protos import common_pb2
+from tandem.protos import common_pb2, worker_pb2
 
 _OPTIONAL_FIELDS = (
     "max_tokens",
@@ -47,6 +47,12 @@ FINISH_REASON_TO_PROTO = {
     "abort": common_pb2.FINISH_REASON_ABORT,
 }
 FINISH_REASON_FROM_PROTO = {v: k for k, v in FINISH_REASON_TO_PROTO.items()}
+MIGRATION_CAUSE_NAMES = {
+    worker_pb2.MIGRATION_CAUSE_DRAIN: "drain",
+    worker_pb2.MIGRATION_CAUSE_REBALANCE: "rebalance",
+    worker_pb2.MIGRATION_CAUSE_REQUESTED: "requested",
+}
+"""A live migration's cause as metric labels (router and decode workers) name it."""
 
 
 _METHOD_FROM_PROTO = {
