@@ -4,8 +4,9 @@ Redis)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import socket
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -96,6 +97,26 @@ def cluster_spec(
         "log_dir": log_dir,
     }
     return ClusterSpec(**(fields | overrides))
+
+
+@contextlib.contextmanager
+def cluster_factory(
+    model_dir: Path, redis_url: str, log_dir: Path, name: str
+) -> Iterator[Callable[..., LocalCluster]]:
+    """``make(**ClusterSpec fields)`` starts a ``cluster_spec`` cluster (a fresh registry
+    namespace each); every cluster started is stopped on exit."""
+    started: list[LocalCluster] = []
+
+    def make(**fields: object) -> LocalCluster:
+        cluster = LocalCluster(cluster_spec(model_dir, redis_url, log_dir, name, **fields))
+        started.append(cluster)  # stopped on exit even if its start fails midway
+        return cluster.start()
+
+    try:
+        yield make
+    finally:
+        for cluster in started:
+            cluster.stop()
 
 
 def router_options(model_dir: Path, redis_url: str, name: str, **overrides: object):

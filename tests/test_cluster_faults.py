@@ -15,11 +15,11 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from tandem.cli.launcher import ClusterSpec, LocalCluster
+from tandem.cli.launcher import LocalCluster
 from tandem.common.client import AsyncGenerationClient, build_request, stream_generate
 from tandem.engine import LLM, SamplingParams
 from tandem.protos import common_pb2
-from tests.cluster_util import complete_all, free_port, worker_status
+from tests.cluster_util import cluster_factory, complete_all, worker_status
 from tests.hf_reference import random_prompts
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
@@ -51,36 +51,25 @@ def offline(model_dir: Path) -> LLM:
 def make_cluster(
     model_dir: Path, redis_url: str, tmp_path: Path
 ) -> Iterator[Callable[..., LocalCluster]]:
-    started: list[LocalCluster] = []
+    with cluster_factory(model_dir, redis_url, tmp_path / "logs", "faults") as make:
 
-    def make(
-        num_decode: int = 2,
-        router_args: tuple[str, ...] = (),
-        prefill_args: tuple[str, ...] = (),
-        decode_args: tuple[str, ...] = (),
-        worker_env: dict[str, dict[str, str]] | None = None,
-    ) -> LocalCluster:
-        spec = ClusterSpec(
-            model_dir=str(model_dir),
-            num_decode=num_decode,
-            router_port=free_port(),
-            redis_url=redis_url,
-            model_name=f"faults-{free_port()}",
-            worker_args=WORKER_ARGS,
-            prefill_args=prefill_args,
-            decode_args=(*DECODE_ARGS, *decode_args),
-            router_args=router_args,
-            threads_per_worker=1,
-            log_dir=tmp_path / "logs",
-            worker_env=worker_env or {},
-        )
-        cluster = LocalCluster(spec).start()
-        started.append(cluster)
-        return cluster
+        def start(
+            num_decode: int = 2,
+            router_args: tuple[str, ...] = (),
+            prefill_args: tuple[str, ...] = (),
+            decode_args: tuple[str, ...] = (),
+            worker_env: dict[str, dict[str, str]] | None = None,
+        ) -> LocalCluster:
+            return make(
+                num_decode=num_decode,
+                worker_args=WORKER_ARGS,
+                prefill_args=prefill_args,
+                decode_args=(*DECODE_ARGS, *decode_args),
+                router_args=router_args,
+                worker_env=worker_env or {},
+            )
 
-    yield make
-    for cluster in started:
-        cluster.stop()
+        yield start
 
 
 def _greedy(n: int) -> common_pb2.SamplingParams:

@@ -22,13 +22,13 @@ from pathlib import Path
 import grpc
 import pytest
 
-from tandem.cli.launcher import ClusterSpec, LocalCluster
+from tandem.cli.launcher import LocalCluster
 from tandem.common.client import AsyncGenerationClient, build_request
 from tandem.common.metrics import Scrape
 from tandem.common.sampling_params import SpeculativeOptions, StructuredKind, StructuredOutput
 from tandem.engine import LLM, SamplingParams
 from tandem.protos import common_pb2, worker_pb2, worker_pb2_grpc
-from tests.cluster_util import free_port, worker_status
+from tests.cluster_util import cluster_factory, worker_status
 from tests.hf_reference import random_prompts
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
@@ -59,32 +59,20 @@ def model_dir(make_checkpoint: Callable[..., Path]) -> Path:
 def make_cluster(
     model_dir: Path, redis_url: str, tmp_path: Path
 ) -> Iterator[Callable[..., LocalCluster]]:
-    started: list[LocalCluster] = []
+    with cluster_factory(model_dir, redis_url, tmp_path / "logs", "migrate") as make:
 
-    def make(
-        worker_args: tuple[str, ...] = (), router_args: tuple[str, ...] = (), **spec: object
-    ) -> LocalCluster:
-        spec.setdefault("num_decode", 2)
-        cluster = LocalCluster(
-            ClusterSpec(
-                model_dir=str(model_dir),
-                router_port=free_port(),
-                redis_url=redis_url,
-                model_name=f"migrate-{free_port()}",
+        def start(
+            worker_args: tuple[str, ...] = (), router_args: tuple[str, ...] = (), **spec: object
+        ) -> LocalCluster:
+            spec.setdefault("num_decode", 2)
+            return make(
                 worker_args=(*WORKER_ARGS, *worker_args),
                 router_args=("--decode-policy", "round_robin", *router_args),
-                threads_per_worker=1,
-                log_dir=tmp_path / "logs",
                 metrics_port=0,
                 **spec,
             )
-        ).start()
-        started.append(cluster)
-        return cluster
 
-    yield make
-    for cluster in started:
-        cluster.stop()
+        yield start
 
 
 def _greedy(n: int) -> common_pb2.SamplingParams:

@@ -8,18 +8,17 @@ from __future__ import annotations
 
 import asyncio
 import time
-import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 
-from tandem.cli.launcher import ClusterSpec, LocalCluster
+from tandem.cli.launcher import LocalCluster
 from tandem.common.client import AsyncGenerationClient, build_request
 from tandem.common.metrics import Scrape
 from tandem.engine import LLM, SamplingParams
 from tandem.protos import common_pb2
-from tests.cluster_util import free_port
+from tests.cluster_util import cluster_factory
 from tests.hf_reference import random_prompts
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
@@ -36,27 +35,17 @@ def model_dir(make_checkpoint: Callable[..., Path]) -> Path:
 def make_cluster(
     model_dir: Path, redis_url: str, tmp_path: Path
 ) -> Iterator[Callable[..., LocalCluster]]:
-    started: list[LocalCluster] = []
+    with cluster_factory(model_dir, redis_url, tmp_path / "logs", "turns") as make:
 
-    def make(router_args: tuple[str, ...] = ()) -> LocalCluster:
-        spec = ClusterSpec(
-            model_dir=str(model_dir),
-            num_decode=2,
-            router_port=free_port(),
-            redis_url=redis_url,
-            model_name=f"turns-{uuid.uuid4().hex[:8]}",
-            worker_args=("--num-kv-blocks", "256"),
-            router_args=router_args,
-            threads_per_worker=1,
-            log_dir=tmp_path / "logs",
-            metrics_port=0,
-        )
-        started.append(LocalCluster(spec).start())
-        return started[-1]
+        def start(router_args: tuple[str, ...] = ()) -> LocalCluster:
+            return make(
+                num_decode=2,
+                worker_args=("--num-kv-blocks", "256"),
+                router_args=router_args,
+                metrics_port=0,
+            )
 
-    yield make
-    for cluster in started:
-        cluster.stop()
+        yield start
 
 
 async def _conversation(

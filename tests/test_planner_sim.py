@@ -199,7 +199,8 @@ def test_the_simulated_metrics_carry_the_components_own_names() -> None:
     load = SimpleNamespace(
         num_kv_blocks=8, num_free_blocks=8, num_cached_blocks=0, num_running=0,
         num_waiting=0, num_waiting_for_kv=0, num_prefilled=0, queued_prefill_tokens=0,
-        num_preemptions=0, spec_decode=None, busy_seconds=0.0,
+        num_preemptions=0, spec_decode=None, busy_seconds=0.0, lora_adapters={},
+        lora_running={}, lora_waiting={}, max_loras=0, lora_resident=(),
     )  # fmt: skip
     worker = WorkerMetrics("m", "prefill", lambda: load)
     real = names(Scrape(router.exposition())) | names(Scrape(worker.exposition()))
