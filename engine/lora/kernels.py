@@ -100,7 +100,7 @@ class LoRAKernels:
 
 @cache
 def lora_kernels(isa: Isa) -> LoRAKernels:
-    flags = (*COMMON_FLAGS, *_ISA_FLAGS[isa], f'-DTANDEM_ISA="{isa.value}"')
+    flags = (*COMMON_FLAGS, *_ISA_FLAGS[isa], f'-DTANDEM_ISA="{isa.value}"', "-lm")
     return LoRAKernels(build_library(SOURCE, isa, flags), isa)
 
 
