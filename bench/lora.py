@@ -2,24 +2,29 @@
 distinct adapters in the batch, against the base model alone, in the same run; and an
 adapter's cold load.
 
-    python bench/lora.py [--model DIR] [--size medium] [--batch 32] [--rank 16] [--json PATH]
+    python bench/lora.py [--model DIR] [--size medium] [--batch 32] [--rank 16] [--rounds 5]
+        [--json PATH]
 
 One float32 ``LLMEngine`` with ``enable_lora`` (``max_loras`` 16, ``max_lora_rank`` =
 ``--rank``), a random Llama of ``--size``, and 16 random adapters of rank ``--rank`` on
 all seven projections (``tandem make-lora``). Each figure is the mean decode step of
-``--batch`` sequences at a 128-token context, the median of ``--repeats``; the adapters
-are spread round-robin over the batch. Twice: adapter weights in float32 (the default on
-a float32 model, exact) and in bfloat16 (``lora_dtype``: half the bytes a step reads).
-``base_no_lora_engine`` is a plain engine (the gated MLP fused, nothing wrapped): the
-cost of turning LoRA on at all. The cold load is ``add_lora`` of a new adapter: read,
-checked and sharded, from a warm page cache.
+``--batch`` sequences at a 128-token context; the adapters are spread round-robin over
+the batch. Every configuration is measured once per round, in turn, for ``--rounds``
+rounds (the machine's slow spells hit them alike); the ratios to the base are taken
+within each round, and the report gives their median and range. Twice: adapter weights
+in float32 (the default on a float32 model, exact) and in bfloat16 (``lora_dtype``: half
+the bytes a step reads). ``base_no_lora_engine`` is a plain engine (the gated MLP fused,
+nothing wrapped): the cost of turning LoRA on at all. The cold load is ``add_lora`` of a
+new adapter: read, checked and sharded, from a warm page cache.
 """
 
 from __future__ import annotations
 
 import argparse
+import statistics
 import tempfile
 import time
+from collections import defaultdict
 from pathlib import Path
 
 from tandem.bench.batch_invariance import decode_step_s
@@ -31,18 +36,20 @@ from tandem.engine.llm_engine import LLMEngine
 CONTEXT = 128
 
 
-def lora_figures(
+def lora_engine(
     model: str, paths: list[Path], counts: list[int], args: argparse.Namespace, **settings
-) -> dict[str, float]:
-    """Base and 1..N-adapter decode steps on one LoRA engine of ``settings``."""
-    common = {"num_kv_blocks": 1024, "max_model_len": 1024, "max_num_seqs": args.batch}
+) -> tuple[LLMEngine, list[str], float]:
+    """A LoRA engine of ``settings`` with ``max(counts)`` adapters added, and the time
+    ``add_lora`` took for one more (the cold load)."""
     config = EngineConfig(
         model,
         dtype="float32",
         enable_lora=True,
         max_loras=max(counts),
         max_lora_rank=args.rank,
-        **common,
+        num_kv_blocks=1024,
+        max_model_len=1024,
+        max_num_seqs=args.batch,
         **settings,
     )
     engine = LLMEngine(config, detokenize=False)
@@ -52,16 +59,9 @@ def lora_figures(
         names.append(f"a{i}")
     start = time.perf_counter()
     engine.add_lora(LoRARequest("cold", 99, str(paths[-1])))
-    figures = {"cold_load_ms": round(1e3 * (time.perf_counter() - start), 1)}
+    cold = time.perf_counter() - start
     decode_step_s(engine, args.batch, 1, 4, CONTEXT, names)  # warm-up, every slot filled
-    base = decode_step_s(engine, args.batch, args.repeats, 24, CONTEXT)
-    figures["base_ms"] = round(1e3 * base, 3)
-    for n in counts:
-        step = decode_step_s(engine, args.batch, args.repeats, 24, CONTEXT, names[:n])
-        figures[f"adapters_{n}_ms"] = round(1e3 * step, 3)
-        figures[f"adapters_{n}_vs_base"] = round(step / base, 3)
-        print(f"[lora] {settings or 'float32'} {n} adapters: {step / base:.2f}x base", flush=True)
-    return figures
+    return engine, names, cold
 
 
 def main() -> int:
@@ -71,7 +71,7 @@ def main() -> int:
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--rank", type=int, default=16)
     parser.add_argument("--counts", default="1,4,16", help="distinct adapters per batch")
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     from tandem.tools.checkpoint_maker import make_model
@@ -84,7 +84,6 @@ def main() -> int:
         make_lora(model, work / f"a{i}", args.rank, 2.0 * args.rank, seed=i)
         for i in range(max(counts) + 1)
     ]
-    report: dict = {**provenance(args.model, args.size), "batch": args.batch, "rank": args.rank}
     plain = LLMEngine(
         EngineConfig(
             model, dtype="float32", num_kv_blocks=1024, max_model_len=1024, max_num_seqs=args.batch
@@ -92,11 +91,29 @@ def main() -> int:
         detokenize=False,
     )
     decode_step_s(plain, args.batch, 1, 4, CONTEXT)  # warm-up
-    step = decode_step_s(plain, args.batch, args.repeats, 24, CONTEXT)
-    report["base_no_lora_engine_ms"] = round(1e3 * step, 3)
-    del plain
-    report["lora_float32"] = lora_figures(model, paths, counts, args)
-    report["lora_bfloat16"] = lora_figures(model, paths, counts, args, lora_dtype="bfloat16")
+    engines = {
+        "float32": lora_engine(model, paths, counts, args),
+        "bfloat16": lora_engine(model, paths, counts, args, lora_dtype="bfloat16"),
+    }
+    # Every configuration once per round, in turn, so a slow spell of the machine hits
+    # them alike; a ratio is taken within its round (against that round's base).
+    steps: dict[str, list[float]] = defaultdict(list)
+    ratios: dict[str, list[float]] = defaultdict(list)
+    for _ in range(args.rounds):
+        steps["base_no_lora_engine"].append(decode_step_s(plain, args.batch, 1, 24, CONTEXT))
+        for kind, (engine, names, _) in engines.items():
+            base = decode_step_s(engine, args.batch, 1, 24, CONTEXT)
+            steps[f"{kind}_base"].append(base)
+            for n in counts:
+                step = decode_step_s(engine, args.batch, 1, 24, CONTEXT, names[:n])
+                steps[f"{kind}_adapters_{n}"].append(step)
+                ratios[f"{kind}_adapters_{n}_vs_base"].append(step / base)
+    report: dict = {**provenance(args.model, args.size), "batch": args.batch, "rank": args.rank}
+    report["rounds"] = args.rounds
+    report["median_ms"] = {k: round(1e3 * statistics.median(v), 2) for k, v in steps.items()}
+    report["median_ratio"] = {k: round(statistics.median(v), 3) for k, v in ratios.items()}
+    report["ratio_range"] = {k: [round(min(v), 3), round(max(v), 3)] for k, v in ratios.items()}
+    report["cold_load_ms"] = {k: round(1e3 * e[2], 1) for k, e in engines.items()}
     emit(report, args.json)
     return 0
 
