@@ -28,11 +28,10 @@ import torch
 from torch import nn
 
 from tandem.common.lora import LoRARequest
-from tandem.common.model_config import ModelConfig
 from tandem.engine.lora.adapter import LoadedAdapter, load_adapter
 from tandem.engine.lora.kernels import lora_kernels_for
 from tandem.engine.lora.layers import LoRABatch, LoRALinear
-from tandem.engine.lora.targets import Target, scan_targets
+from tandem.engine.lora.targets import Target
 from tandem.engine.parallel.group import TensorParallelGroup
 
 log = logging.getLogger(__name__)
@@ -78,11 +77,6 @@ class LoRAConfig:
 
     def weight_dtype(self, model_dtype: torch.dtype) -> torch.dtype:
         return model_dtype if self.dtype == "auto" else LORA_DTYPES[self.dtype]
-
-
-def find_targets(model: nn.Module, config: ModelConfig) -> dict[str, Target]:
-    """The layers adapters may target, read before packing (``targets.scan_targets``)."""
-    return scan_targets(model, config)
 
 
 class LoRAManager:
@@ -266,10 +260,6 @@ class LoRAManager:
         """The current forward's row slots (``-1``: base), for every wrapped layer."""
         batch = LoRABatch.of(slots)
         self.batch.slots, self.batch.runs, self.batch.mask = batch.slots, batch.runs, batch.mask
-
-    @property
-    def active(self) -> list[str | None]:
-        return [None if a is None else a.name for a in self._slots]
 
     def resident(self) -> list[str]:
         """Adapters a batch can use without reading them from disk: in a slot or in
