@@ -287,10 +287,7 @@ class ModelRunner:
         input_ids = torch.from_numpy(plan.input_ids).to(to)
         positions = torch.from_numpy(plan.positions).to(to)
         if self.lora is not None:
-            slots = plan.lora_slots
-            if slots is None:
-                slots = np.full(len(plan.input_ids), -1, dtype=np.int64)
-            self.lora.set_batch(torch.from_numpy(slots).to(to))
+            self.lora.set_batch(None if plan.lora_slots is None else plan.lora_slots, to)
         hidden = self.model(input_ids, positions, self.kv_caches, self.backend, meta)
         if not len(plan.logit_rows):
             return None

@@ -19,8 +19,10 @@ product completes before ``bt`` expands it, on every rank alike.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -43,17 +45,18 @@ class LoRABatch:
 
     @classmethod
     def of(cls, slots: torch.Tensor) -> LoRABatch:
-        values = slots.tolist()
-        runs, start = [], 0
-        for i in range(1, len(values) + 1):
-            if i == len(values) or values[i] != values[start]:
-                if values[start] >= 0:
-                    runs.append((values[start], start, i))
-                start = i
+        values = slots.cpu().numpy()
+        starts = np.flatnonzero(np.diff(values)) + 1
+        bounds = np.concatenate(([0], starts, [len(values)]))
+        runs = tuple(
+            (int(values[a]), int(a), int(b))
+            for a, b in itertools.pairwise(bounds)
+            if b > a and values[a] >= 0
+        )
         mask = 0
         for slot, _, _ in runs:
             mask |= 1 << slot
-        return cls(slots, tuple(runs), mask)
+        return cls(slots, runs, mask)
 
 
 class LoRALinear(nn.Module):

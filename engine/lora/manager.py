@@ -24,6 +24,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Collection
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -256,10 +257,18 @@ class LoRAManager:
                 self._keep_resident(adapter)
         self.fill(slot, adapter)
 
-    def set_batch(self, slots: torch.Tensor) -> None:
-        """The current forward's row slots (``-1``: base), for every wrapped layer."""
-        batch = LoRABatch.of(slots)
-        self.batch.slots, self.batch.runs, self.batch.mask = batch.slots, batch.runs, batch.mask
+    def set_batch(self, slots: np.ndarray | None, device: torch.device) -> None:
+        """The current forward's row slots (``-1``: base; ``None``: all base), for every
+        wrapped layer."""
+        if slots is None:
+            self.batch.mask, self.batch.runs = 0, ()
+            return
+        batch = LoRABatch.of(torch.from_numpy(slots))
+        self.batch.slots, self.batch.runs, self.batch.mask = (
+            batch.slots.to(device),
+            batch.runs,
+            batch.mask,
+        )
 
     def resident(self) -> list[str]:
         """Adapters a batch can use without reading them from disk: in a slot or in
