@@ -255,12 +255,12 @@ class ModelRunner:
     ) -> tuple[list[ScheduledChunk], list[int] | None]:
         """A step's chunks in forward order, decodes first (the attention metadata's
         layout), and with adapters, by slot within each part (so each adapter's rows run
-        in a few contiguous runs); the slot of each chunk (-1: base), or ``None`` without
-        adapters. Fills the slots the step's adapters need."""
-        if self.lora is None:
+        in a few contiguous runs); the slot of each chunk (-1: base), or ``None`` when no
+        chunk runs an adapter. Fills the slots the step's adapters need."""
+        names = set() if self.lora is None else {c.request.lora_name for c in chunks} - {None}
+        if not names:
             return sorted(chunks, key=lambda c: c.num_tokens > 1), None
-        names = {c.request.lora_name for c in chunks} - {None}
-        where = self.lora.activate(names) if names else {}
+        where = self.lora.activate(names)
         slot = {id(c): where.get(c.request.lora_name, -1) for c in chunks}
         ordered = sorted(chunks, key=lambda c: (c.num_tokens > 1, slot[id(c)]))
         return ordered, [slot[id(c)] for c in ordered]
